@@ -1,0 +1,151 @@
+//! The messages exchanged between Rollout's roles: the controller, generation, reward scoring
+//! and training. In a single process they are passed as values; across processes they travel
+//! as the JSON header of a [`crate::frame::Frame`], with bulk tensors in its binary payload.
+
+use serde::{Deserialize, Serialize};
+
+/// Why a completion ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// An end-of-sequence or stop token was generated (and is included in the completion).
+    Stop,
+    /// `max_new_tokens` was reached.
+    Length,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+/// How to sample; logprobs are those of the temperature-scaled distribution.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SamplingParams {
+    pub max_new_tokens: u32,
+    pub temperature: f32,
+    pub top_p: f32,
+    /// 0 disables top-k.
+    pub top_k: u32,
+    /// Token ids that end a completion in addition to the model's end-of-sequence ids.
+    pub stop_token_ids: Vec<u32>,
+    pub seed: u64,
+}
+
+/// One prompt to complete `n` times.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PromptRequest {
+    pub prompt_ids: Vec<u32>,
+    pub n: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GenerateRequest {
+    pub prompts: Vec<PromptRequest>,
+    pub sampling: SamplingParams,
+}
+
+/// One generated completion, tagged with the weight version that produced it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Completion {
+    pub token_ids: Vec<u32>,
+    pub logprobs: Vec<f32>,
+    pub finish_reason: FinishReason,
+    pub weight_version: u64,
+}
+
+/// `groups[i]` holds the `n` completions of `prompts[i]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GenerateResponse {
+    pub groups: Vec<Vec<Completion>>,
+}
+
+/// A finished sample as reward functions see it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ScoreSample {
+    pub prompt: String,
+    pub completion: String,
+    /// The data record the prompt came from (answers and other metadata).
+    pub record: serde_json::Value,
+    pub finish_reason: FinishReason,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ScoreRequest {
+    pub samples: Vec<ScoreSample>,
+}
+
+/// The weighted total per sample, and each reward's raw scores by name.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ScoreResponse {
+    pub totals: Vec<f64>,
+    pub components: Vec<RewardComponent>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RewardComponent {
+    pub name: String,
+    pub weight: f64,
+    pub scores: Vec<f64>,
+}
+
+/// The objective a training micro-batch is optimised for.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "name", rename_all = "snake_case")]
+pub enum Objective {
+    Grpo {
+        clip_low: f32,
+        clip_high: f32,
+        kl_coef: f32,
+        temperature: f32,
+    },
+    Sft,
+}
+
+/// One right-padded training micro-batch; every `[rows, width]` array is row-major.
+///
+/// Position `t` of each per-token array describes token `input_ids[t]` as predicted from the
+/// tokens before it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MicroBatch {
+    pub rows: usize,
+    pub width: usize,
+    pub input_ids: Vec<u32>,
+    pub attention_mask: Vec<u8>,
+    pub loss_mask: Vec<f32>,
+    pub advantages: Vec<f32>,
+    pub old_logprobs: Vec<f32>,
+    /// Multiplies the summed token loss: `1 / masked tokens in the whole update`.
+    pub loss_scale: f32,
+    pub objective: Objective,
+}
+
+impl MicroBatch {
+    /// Tokens the loss is computed on.
+    pub fn loss_tokens(&self) -> usize {
+        self.loss_mask.iter().filter(|&&m| m > 0.0).count()
+    }
+
+    /// Padded size, the cost the token budget bounds.
+    pub fn padded_tokens(&self) -> usize {
+        self.rows * self.width
+    }
+}
+
+/// One optimizer update: gradients accumulated over `micro_batches`, then applied.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainRequest {
+    pub micro_batches: Vec<MicroBatch>,
+}
+
+/// Token-weighted means of the micro-batch metrics plus the update's own (grad norm, lr).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainResponse {
+    pub metrics: std::collections::BTreeMap<String, f64>,
+    /// The weight version after this update.
+    pub weight_version: u64,
+}

@@ -1,0 +1,58 @@
+"""rollout_sdk: the contract between the `rollout` engine and Python plugins.
+
+Plugin kinds: :class:`Policy` (the model), :class:`Reward`, :class:`Environment`,
+:class:`DataSource` and :class:`Transform`, :class:`Callback`. Each declares a nested ``Config``
+dataclass that is built from its TOML table. :mod:`rollout_sdk.testing` checks a plugin from
+plain pytest; :mod:`rollout_sdk.objectives` holds the torch losses policies share.
+"""
+
+from rollout_sdk.callback import Callback, RunInfo
+from rollout_sdk.config import ConfigError, build_config
+from rollout_sdk.data import DataSource, Pipeline, Record, Transform
+from rollout_sdk.environment import Environment, StepResult
+from rollout_sdk.plugin import Plugin, PluginSpecError, load_plugin, resolve_plugin_class
+from rollout_sdk.policy import Policy
+from rollout_sdk.reward import Reward
+from rollout_sdk.types import (
+    FinishReason,
+    Generation,
+    GenerationRequest,
+    GrpoObjective,
+    Objective,
+    Sample,
+    SamplingParams,
+    SftObjective,
+    TokenBatch,
+    TrainBatch,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Callback",
+    "ConfigError",
+    "DataSource",
+    "Environment",
+    "FinishReason",
+    "Generation",
+    "GenerationRequest",
+    "GrpoObjective",
+    "Objective",
+    "Pipeline",
+    "Plugin",
+    "PluginSpecError",
+    "Policy",
+    "Record",
+    "Reward",
+    "RunInfo",
+    "Sample",
+    "SamplingParams",
+    "SftObjective",
+    "StepResult",
+    "TokenBatch",
+    "TrainBatch",
+    "Transform",
+    "build_config",
+    "load_plugin",
+    "resolve_plugin_class",
+]

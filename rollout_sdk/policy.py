@@ -1,0 +1,78 @@
+"""The model plugin: generation, teacher-forced logprobs, training and weights."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from rollout_sdk.plugin import Plugin
+from rollout_sdk.types import Generation, GenerationRequest, SamplingParams, TokenBatch, TrainBatch
+
+__all__ = ["Policy"]
+
+
+class Policy(Plugin):
+    """A trainable language model.
+
+    The engine calls these hooks from one Python thread, in batches. Arrays follow the
+    conventions of :mod:`rollout_sdk.types`. A training update is one or more ``train_step``
+    calls (gradient accumulation over micro-batches) followed by one ``apply_update``.
+    """
+
+    def encode(self, texts: Sequence[str]) -> list[list[int]]:
+        """Tokenise prompts or observations (no special tokens beyond what the model needs)."""
+        raise NotImplementedError
+
+    def decode(self, token_ids: Sequence[Sequence[int]]) -> list[str]:
+        """Turn generated ids back into text, dropping special tokens."""
+        raise NotImplementedError
+
+    def eos_token_ids(self) -> list[int]:
+        """Ids that end a generation."""
+        raise NotImplementedError
+
+    def generate(
+        self, requests: Sequence[GenerationRequest], params: SamplingParams
+    ) -> list[list[Generation]]:
+        """Sample ``request.n`` completions for every request, with per-token logprobs."""
+        raise NotImplementedError
+
+    def logprobs(self, batch: TokenBatch) -> np.ndarray:
+        """Per-token logprobs ``[batch, time]`` of ``batch.input_ids`` (column 0 is 0)."""
+        raise NotImplementedError
+
+    def train_step(self, batch: TrainBatch) -> Mapping[str, float]:
+        """Forward and backward on one micro-batch, accumulating gradients.
+
+        Returns metrics averaged over the micro-batch's masked tokens (at least ``loss``).
+        """
+        raise NotImplementedError
+
+    def apply_update(self) -> Mapping[str, float]:
+        """Apply the accumulated gradients (clipping, optimizer step) and clear them."""
+        raise NotImplementedError
+
+    def export_weights(self) -> dict[str, np.ndarray]:
+        """The current weights by parameter name, as safetensors would store them."""
+        raise NotImplementedError
+
+    def import_weights(self, weights: Mapping[str, np.ndarray]) -> None:
+        """Replace the current weights (names and shapes as ``export_weights`` returns)."""
+        raise NotImplementedError
+
+    def save(self, directory: str) -> None:
+        """Write the model (``directory/model``, loadable by ``from_pretrained``) and optimizer.
+
+        Only safetensors and JSON: never pickle. The engine makes the directory atomic.
+        """
+        raise NotImplementedError
+
+    def load(self, directory: str) -> None:
+        """Restore what ``save`` wrote, optimizer state included."""
+        raise NotImplementedError
+
+    def describe(self) -> Mapping[str, Any]:
+        """Facts for logs and the run summary (parameter count, dtype, device...)."""
+        return {}

@@ -1,0 +1,195 @@
+"""Conformance checks a plugin author runs from plain pytest, without the `rollout` binary.
+
+Each ``check_*`` exercises one plugin the way the engine will and raises
+:class:`PluginCheckError` naming the broken promise::
+
+    from rollout_sdk.testing import check_reward, load_plugin
+
+    def test_my_reward():
+        reward = load_plugin("my_pkg.rewards:Length", {"target": 10})
+        check_reward(reward, [Sample(prompt="p", completion="c")])
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from rollout_sdk.data import DataSource, Pipeline, Record, Transform
+from rollout_sdk.environment import Environment, StepResult
+from rollout_sdk.plugin import load_plugin
+from rollout_sdk.policy import Policy
+from rollout_sdk.reward import Reward
+from rollout_sdk.types import (
+    GenerationRequest,
+    GrpoObjective,
+    Sample,
+    SamplingParams,
+    TokenBatch,
+    TrainBatch,
+)
+
+__all__ = [
+    "PluginCheckError",
+    "check_data_source",
+    "check_environment",
+    "check_policy",
+    "check_reward",
+    "load_plugin",
+]
+
+
+class PluginCheckError(AssertionError):
+    """A plugin broke a promise of the SDK contract."""
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise PluginCheckError(message)
+
+
+def check_reward(reward: Reward, samples: Sequence[Sample]) -> list[float]:
+    """Score ``samples`` twice; require one finite float each, the same both times."""
+    first = [float(x) for x in reward.score(samples)]
+    _require(len(first) == len(samples), f"score returned {len(first)} values for {len(samples)} samples")
+    _require(all(math.isfinite(x) for x in first), f"score returned a non-finite value: {first}")
+    second = [float(x) for x in reward.score(samples)]
+    _require(first == second, "score is not deterministic for the same samples")
+    return first
+
+
+def check_data_source(source: DataSource, transforms: Sequence[Transform] = ()) -> list[Record]:
+    """Read every record through the pipeline; require a ``prompt`` string and JSON values."""
+    records = list(Pipeline(transforms)(source.records()))
+    _require(len(records) > 0, "the data source yielded no records")
+    for index, record in enumerate(records):
+        _require(isinstance(record.get("prompt"), str), f"record {index} has no string `prompt`")
+        try:
+            json.dumps(dict(record))
+        except (TypeError, ValueError) as err:
+            raise PluginCheckError(f"record {index} is not JSON-serialisable: {err}") from None
+    again = list(Pipeline(transforms)(source.records()))
+    _require(again == records, "the data source does not yield the same records twice")
+    return records
+
+
+def check_environment(
+    make_env: Callable[[], Environment], record: Record, actions: Sequence[str], *, seed: int = 0
+) -> list[StepResult]:
+    """Play ``actions`` in two fresh episodes with the same seed; require identical results."""
+
+    def play() -> tuple[str, list[StepResult]]:
+        env = make_env()
+        prompt = env.reset(record, seed=seed)
+        _require(isinstance(prompt, str), "reset must return the first prompt as a string")
+        results = []
+        for action in actions:
+            result = env.step(action)
+            _require(isinstance(result, StepResult), "step must return a StepResult")
+            _require(math.isfinite(result.reward), f"step returned a non-finite reward {result.reward}")
+            results.append(result)
+            if result.done:
+                break
+        return prompt, results
+
+    first, second = play(), play()
+    _require(first == second, "two episodes with the same seed and actions differ")
+    return first[1]
+
+
+def check_policy(
+    policy: Policy, prompts: Sequence[str], *, max_new_tokens: int = 8, atol: float = 1e-4
+) -> None:
+    """Exercise every Policy hook on ``prompts`` and check the arrays and invariants."""
+    encoded = policy.encode(prompts)
+    _require(len(encoded) == len(prompts), "encode returned the wrong number of sequences")
+    requests = [GenerationRequest(prompt_ids=np.asarray(ids, dtype=np.int64), n=2) for ids in encoded]
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, seed=1234)
+    groups = policy.generate(requests, params)
+    _require(len(groups) == len(requests), "generate returned the wrong number of groups")
+    for group in groups:
+        _require(len(group) == 2, "generate returned the wrong number of completions for n=2")
+        for gen in group:
+            _require(gen.token_ids.dtype == np.int64, "token_ids must be int64")
+            _require(gen.logprobs.dtype == np.float32, "logprobs must be float32")
+            _require(gen.token_ids.shape == gen.logprobs.shape, "token_ids and logprobs differ in length")
+            _require(1 <= len(gen.token_ids) <= max_new_tokens, "completion length outside 1..max_new_tokens")
+            _require(bool(np.all(gen.logprobs <= 0.0)), "a logprob is positive")
+    again = policy.generate(requests, params)
+    same = all(
+        np.array_equal(a.token_ids, b.token_ids)
+        for ga, gb in zip(groups, again, strict=True)
+        for a, b in zip(ga, gb, strict=True)
+    )
+    _require(same, "generate is not reproducible for the same seed")
+
+    sequences = [
+        np.concatenate([req.prompt_ids, gen.token_ids])
+        for req, group in zip(requests, groups, strict=True)
+        for gen in group
+    ]
+    batch = _pad_batch(sequences)
+    teacher = policy.logprobs(TokenBatch(input_ids=batch[0], attention_mask=batch[1]))
+    _require(teacher.shape == batch[0].shape, "logprobs returned the wrong shape")
+    row = 0
+    for req, group in zip(requests, groups, strict=True):
+        for gen in group:
+            start = len(req.prompt_ids)
+            got = teacher[row, start : start + len(gen.token_ids)]
+            _require(
+                np.allclose(got, gen.logprobs, atol=atol),
+                "generation logprobs differ from teacher-forced ones by "
+                f"{np.abs(got - gen.logprobs).max():.2e}",
+            )
+            row += 1
+
+    before = policy.export_weights()
+    loss_mask = np.zeros_like(batch[0], dtype=np.float32)
+    row = 0
+    for req, group in zip(requests, groups, strict=True):
+        for gen in group:
+            loss_mask[row, len(req.prompt_ids) : len(req.prompt_ids) + len(gen.token_ids)] = 1.0
+            row += 1
+    advantages = np.where(np.arange(len(sequences))[:, None] % 2 == 0, 1.0, -1.0) * loss_mask
+    train = TrainBatch(
+        input_ids=batch[0],
+        attention_mask=batch[1],
+        loss_mask=loss_mask,
+        advantages=advantages.astype(np.float32),
+        old_logprobs=(teacher * loss_mask).astype(np.float32),
+        loss_scale=1.0 / float(loss_mask.sum()),
+        objective=GrpoObjective(),
+    )
+    metrics = policy.train_step(train)
+    _require(math.isfinite(float(metrics["loss"])), f"train_step returned a non-finite loss: {metrics}")
+    policy.apply_update()
+    after = policy.export_weights()
+    _require(set(before) == set(after), "export_weights names changed after an update")
+    _require(any(not np.array_equal(before[k], after[k]) for k in before), "apply_update changed no weight")
+
+    with tempfile.TemporaryDirectory() as directory:
+        policy.save(directory)
+        policy.import_weights(before)
+        restored = policy.export_weights()
+        _require(
+            all(np.array_equal(before[k], restored[k]) for k in before), "import_weights did not restore"
+        )
+        policy.load(directory)
+        reloaded = policy.export_weights()
+        _require(
+            all(np.array_equal(after[k], reloaded[k]) for k in after), "load did not restore saved weights"
+        )
+
+
+def _pad_batch(sequences: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    width = max(len(s) for s in sequences)
+    ids = np.zeros((len(sequences), width), dtype=np.int64)
+    mask = np.zeros((len(sequences), width), dtype=np.int64)
+    for row, seq in enumerate(sequences):
+        ids[row, : len(seq)] = seq
+        mask[row, : len(seq)] = 1
+    return ids, mask
