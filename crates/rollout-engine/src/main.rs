@@ -1,1 +1,211 @@
-fn main(){}
+//! `rollout`: the command-line entry point.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use rollout_engine::config::{self, ConfigError};
+use rollout_engine::python::{PythonError, PythonSetup, PythonWorker};
+use rollout_engine::session::{Session, SessionError};
+use rollout_engine::train::{RunError, Start};
+
+/// Rollout: reinforcement learning for language models, driven from Rust.
+#[derive(Debug, Parser)]
+#[command(name = "rollout", version, about, propagate_version = true)]
+struct Cli {
+    /// Log more (debug level); `ROLLOUT_LOG` takes a full filter such as `rollout_engine=trace`.
+    #[arg(short, long, global = true)]
+    verbose: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Train with the run described by CONFIG.
+    Run {
+        config: PathBuf,
+        /// Override a config value, e.g. `--set run.steps=20` (repeatable).
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        overrides: Vec<String>,
+        /// Continue from the newest valid checkpoint in the output directory.
+        #[arg(long, conflicts_with = "overwrite")]
+        resume: bool,
+        /// Delete the output directory's previous metrics and checkpoints first.
+        #[arg(long)]
+        overwrite: bool,
+    },
+    /// Validate CONFIG, import and instantiate every plugin and read the data, without training.
+    Check {
+        config: PathBuf,
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        overrides: Vec<String>,
+    },
+    /// Create the quickstart's tiny model, tokenizer and addition dataset (no downloads).
+    InitQuickstart {
+        /// Where to write them.
+        #[arg(long, default_value = "artifacts/quickstart")]
+        dir: PathBuf,
+        /// Recreate them even if they exist.
+        #[arg(long)]
+        force: bool,
+    },
+}
+
+const EXIT_FAILURE: u8 = 1;
+const EXIT_CONFIG: u8 = 2;
+const EXIT_INTERRUPTED: u8 = 130;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(cli.verbose);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(err) => {
+            eprintln!("error: cannot start the async runtime: {err}");
+            return ExitCode::from(EXIT_FAILURE);
+        }
+    };
+    match runtime.block_on(execute(cli.command)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            ExitCode::from(exit_code(&err))
+        }
+    }
+}
+
+fn init_logging(verbose: bool) {
+    let default = if verbose { "debug" } else { "info" };
+    let filter = tracing_subscriber::EnvFilter::try_from_env("ROLLOUT_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_target(false)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+fn exit_code(err: &anyhow::Error) -> u8 {
+    for cause in err.chain() {
+        if cause.downcast_ref::<ConfigError>().is_some() {
+            return EXIT_CONFIG;
+        }
+        if let Some(RunError::Interrupted { .. }) = cause.downcast_ref::<RunError>() {
+            return EXIT_INTERRUPTED;
+        }
+        if let Some(SessionError::Run(RunError::Interrupted { .. })) =
+            cause.downcast_ref::<SessionError>()
+        {
+            return EXIT_INTERRUPTED;
+        }
+        if let Some(SessionError::Local(rollout_engine::local::LocalError::Load(
+            rollout_engine::plugins::PluginLoadError::Config(_),
+        ))) = cause.downcast_ref::<SessionError>()
+        {
+            return EXIT_CONFIG;
+        }
+    }
+    EXIT_FAILURE
+}
+
+async fn execute(command: Command) -> anyhow::Result<()> {
+    match command {
+        Command::Run {
+            config,
+            overrides,
+            resume,
+            overwrite,
+        } => {
+            let loaded = config::load(&config, &overrides)?;
+            let start = match (resume, overwrite) {
+                (true, _) => Start::Resume,
+                (_, true) => Start::Overwrite,
+                _ => Start::Fresh,
+            };
+            let interrupted = watch_ctrl_c();
+            let session = Session::open(loaded).await?;
+            let summary = session.run(start, interrupted).await?;
+            println!("{}", format_summary(&summary));
+            Ok(())
+        }
+        Command::Check { config, overrides } => {
+            let loaded = config::load(&config, &overrides)?;
+            let session = Session::open(loaded).await?;
+            println!("{}", session.report().await?);
+            Ok(())
+        }
+        Command::InitQuickstart { dir, force } => init_quickstart(dir, force).await,
+    }
+}
+
+/// The first Ctrl-C asks the run to stop after the current step (and checkpoint); the second
+/// exits at once, which is safe because checkpoints are only ever replaced atomically.
+fn watch_ctrl_c() -> Arc<AtomicBool> {
+    let interrupted = Arc::new(AtomicBool::new(false));
+    let flag = interrupted.clone();
+    tokio::spawn(async move {
+        if tokio::signal::ctrl_c().await.is_ok() {
+            flag.store(true, Ordering::SeqCst);
+            eprintln!(
+                "\nstopping after the current step and writing a checkpoint (Ctrl-C again to stop now)"
+            );
+            if tokio::signal::ctrl_c().await.is_ok() {
+                std::process::exit(i32::from(EXIT_INTERRUPTED));
+            }
+        }
+    });
+    interrupted
+}
+
+fn format_summary(summary: &rollout_engine::train::Summary) -> String {
+    let mut lines = vec![format!(
+        "done: {} steps in {:.1}s",
+        summary.steps_completed, summary.wall_seconds
+    )];
+    if let (Some(first), Some(last)) = (summary.first_rewards_mean, summary.last_rewards_mean) {
+        lines.push(format!(
+            "reward_mean: first 10 steps {first:.3}, last 10 steps {last:.3} ({:+.3})",
+            last - first
+        ));
+    }
+    if let Some(checkpoint) = &summary.checkpoint {
+        lines.push(format!("checkpoint: {}", checkpoint.display()));
+    }
+    lines.join("\n")
+}
+
+async fn init_quickstart(dir: PathBuf, force: bool) -> anyhow::Result<()> {
+    let setup = PythonSetup::discover(None, &[])?;
+    let worker = tokio::task::spawn_blocking(move || PythonWorker::start(setup))
+        .await
+        .context("the Python start-up task failed")??;
+    let created = worker
+        .run(move |py| -> Result<String, PythonError> {
+            let result = (|| {
+                let kwargs = PyDict::new(py);
+                kwargs.set_item("force", force)?;
+                let created = py.import("python_plugins.quickstart")?.call_method(
+                    "create",
+                    (dir,),
+                    Some(&kwargs),
+                )?;
+                py.import("json")?
+                    .call_method1("dumps", (created,))?
+                    .extract::<String>()
+            })();
+            result.map_err(|err| PythonError::from_py(py, &err))
+        })
+        .await??;
+    println!("quickstart files ready: {created}");
+    Ok(())
+}

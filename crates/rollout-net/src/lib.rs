@@ -1,4 +1,49 @@
 //! Rollout's transport layer: the messages roles exchange and the framing that carries them
 //! between processes and machines.
+//!
+//! - [`messages`]: the message types, and [`MessageKind`], the number each travels under.
+//! - [`frame`]: [`Frame`] and [`FrameCodec`], a `tokio_util` codec for any byte stream.
+//! - [`tensor`]: safetensors-shaped tables laying out bulk tensors in a frame's payload.
+//!
+//! # Frame layout
+//!
+//! Every frame starts with a fixed 24-byte preamble. Its integers are big-endian (network
+//! order); tensor data in the payload is little-endian, as in safetensors.
+//!
+//! | bytes | field         | type     | meaning                                              |
+//! |-------|---------------|----------|------------------------------------------------------|
+//! | 0..3  | magic         | `[u8;3]` | `b"RLT"`                                             |
+//! | 3     | version       | `u8`     | protocol version, [`frame::VERSION`] (1)             |
+//! | 4..6  | kind          | `u16`    | [`MessageKind`]; unknown numbers are rejected        |
+//! | 6..8  | flags         | `u16`    | reserved, must be 0                                  |
+//! | 8..12 | header_len    | `u32`    | length of the JSON header                            |
+//! | 12..16| reserved      | `u32`    | must be 0 (keeps `payload_len` 8-byte aligned)       |
+//! | 16..24| payload_len   | `u64`    | length of the raw payload                            |
+//! | 24..  | header        | JSON     | the message, UTF-8 `serde_json`                      |
+//! | ..    | payload       | bytes    | bulk data, e.g. tensors described by the header      |
+//!
+//! The decoder checks the whole preamble, including both lengths against its limits
+//! ([`FrameCodec::with_max_header_bytes`], [`FrameCodec::with_max_payload_bytes`]), before
+//! it reserves memory for a frame.
+//!
+//! ```
+//! use bytes::{Bytes, BytesMut};
+//! use rollout_net::{Frame, FrameCodec, messages::Heartbeat};
+//! use tokio_util::codec::{Decoder, Encoder};
+//!
+//! let mut codec = FrameCodec::new();
+//! let mut wire = BytesMut::new();
+//! let frame = Frame::from_message(&Heartbeat { seq: 1 }, Bytes::new())?;
+//! codec.encode(frame, &mut wire)?;
+//! let frame = codec.decode(&mut wire)?.expect("a whole frame");
+//! assert_eq!(frame.decode_message::<Heartbeat>()?, Heartbeat { seq: 1 });
+//! # Ok::<(), rollout_net::FrameError>(())
+//! ```
 
+pub mod frame;
 pub mod messages;
+pub mod tensor;
+
+pub use frame::{Frame, FrameCodec, FrameError};
+pub use messages::{Message, MessageKind};
+pub use tensor::{Dtype, TensorError, TensorMeta, TensorPayloadBuilder, TensorTable};

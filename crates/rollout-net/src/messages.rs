@@ -2,7 +2,10 @@
 //! and training. In a single process they are passed as values; across processes they travel
 //! as the JSON header of a [`crate::frame::Frame`], with bulk tensors in its binary payload.
 
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
+
+use crate::tensor::{TensorError, TensorMeta, TensorTable};
 
 /// Why a completion ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -140,6 +143,7 @@ impl MicroBatch {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TrainRequest {
     pub micro_batches: Vec<MicroBatch>,
+    pub learning_rate: f64,
 }
 
 /// Token-weighted means of the micro-batch metrics plus the update's own (grad norm, lr).
@@ -148,4 +152,143 @@ pub struct TrainResponse {
     pub metrics: std::collections::BTreeMap<String, f64>,
     /// The weight version after this update.
     pub weight_version: u64,
+}
+
+/// The first message on a connection, sent by each side: who is speaking.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Hello {
+    /// The sender's role, e.g. `"controller"`, `"generator"`, `"scorer"` or `"trainer"`.
+    pub role: String,
+    /// A name unique among the run's processes, for logs.
+    pub name: String,
+    /// The sending build's version (its `CARGO_PKG_VERSION`), for logs.
+    pub version: String,
+}
+
+/// A liveness probe; the receiver answers with a heartbeat carrying the same `seq`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Heartbeat {
+    pub seq: u64,
+}
+
+/// Sent instead of a response when a request failed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorMessage {
+    pub message: String,
+}
+
+/// New policy weights: `tensors` lays out the frame's payload, whose BLAKE3 digest is
+/// `checksum` (see [`crate::tensor::checksum`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WeightsUpdate {
+    /// The weight version these tensors are.
+    pub version: u64,
+    pub checksum: String,
+    pub tensors: TensorTable,
+}
+
+impl WeightsUpdate {
+    /// Checks `payload` against `checksum` and the tensor table, then returns each tensor's
+    /// bytes.
+    pub fn tensor_bytes<'a>(
+        &'a self,
+        payload: &'a [u8],
+    ) -> Result<Vec<(&'a TensorMeta, &'a [u8])>, TensorError> {
+        let found = crate::tensor::checksum(payload);
+        if found != self.checksum {
+            return Err(TensorError::ChecksumMismatch {
+                expected: self.checksum.clone(),
+                found,
+            });
+        }
+        self.tensors.tensor_bytes(payload)
+    }
+}
+
+/// The type of a frame, written as a `u16` in its preamble. Numbers are part of the wire
+/// protocol: never reuse or renumber one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u16)]
+pub enum MessageKind {
+    Hello = 1,
+    Heartbeat = 2,
+    Error = 3,
+    GenerateRequest = 4,
+    GenerateResponse = 5,
+    ScoreRequest = 6,
+    ScoreResponse = 7,
+    TrainRequest = 8,
+    TrainResponse = 9,
+    WeightsUpdate = 10,
+}
+
+impl MessageKind {
+    pub const ALL: [MessageKind; 10] = [
+        MessageKind::Hello,
+        MessageKind::Heartbeat,
+        MessageKind::Error,
+        MessageKind::GenerateRequest,
+        MessageKind::GenerateResponse,
+        MessageKind::ScoreRequest,
+        MessageKind::ScoreResponse,
+        MessageKind::TrainRequest,
+        MessageKind::TrainResponse,
+        MessageKind::WeightsUpdate,
+    ];
+
+    /// The kind numbered `n`, if there is one.
+    pub fn from_u16(n: u16) -> Option<Self> {
+        Self::ALL.into_iter().find(|kind| kind.as_u16() == n)
+    }
+
+    pub fn as_u16(self) -> u16 {
+        self as u16
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MessageKind::Hello => "Hello",
+            MessageKind::Heartbeat => "Heartbeat",
+            MessageKind::Error => "Error",
+            MessageKind::GenerateRequest => "GenerateRequest",
+            MessageKind::GenerateResponse => "GenerateResponse",
+            MessageKind::ScoreRequest => "ScoreRequest",
+            MessageKind::ScoreResponse => "ScoreResponse",
+            MessageKind::TrainRequest => "TrainRequest",
+            MessageKind::TrainResponse => "TrainResponse",
+            MessageKind::WeightsUpdate => "WeightsUpdate",
+        }
+    }
+}
+
+impl std::fmt::Display for MessageKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A message that travels as the JSON header of a frame of kind [`Message::KIND`].
+pub trait Message: Serialize + DeserializeOwned {
+    const KIND: MessageKind;
+}
+
+macro_rules! impl_message {
+    ($($ty:ident => $kind:ident),* $(,)?) => {
+        $(impl Message for $ty {
+            const KIND: MessageKind = MessageKind::$kind;
+        })*
+    };
+}
+
+impl_message! {
+    Hello => Hello,
+    Heartbeat => Heartbeat,
+    ErrorMessage => Error,
+    GenerateRequest => GenerateRequest,
+    GenerateResponse => GenerateResponse,
+    ScoreRequest => ScoreRequest,
+    ScoreResponse => ScoreResponse,
+    TrainRequest => TrainRequest,
+    TrainResponse => TrainResponse,
+    WeightsUpdate => WeightsUpdate,
 }

@@ -1,0 +1,262 @@
+//! The run configuration: every option, its default and its meaning (`docs/config.md` mirrors
+//! this file). Unknown keys are rejected everywhere except inside plugin `options` tables,
+//! which the plugin's own `Config` dataclass checks.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+/// A whole run.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    #[serde(default)]
+    pub run: RunConfig,
+    #[serde(default)]
+    pub python: PythonConfig,
+    pub policy: PluginConfig,
+    pub data: DataConfig,
+    #[serde(default)]
+    pub rewards: Vec<RewardConfig>,
+    pub environment: Option<EnvironmentConfig>,
+    #[serde(default)]
+    pub callbacks: Vec<PluginConfig>,
+    #[serde(default)]
+    pub rollout: RolloutConfig,
+    #[serde(default)]
+    pub algorithm: AlgorithmConfig,
+    #[serde(default)]
+    pub train: TrainConfig,
+    pub sft: Option<SftConfig>,
+    #[serde(default)]
+    pub checkpoint: CheckpointConfig,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RunConfig {
+    /// Shown in logs and the summary.
+    pub name: String,
+    /// Where metrics, checkpoints and logs go; relative paths are relative to the working
+    /// directory.
+    pub output_dir: PathBuf,
+    /// Seeds data order, sampling and everything else random.
+    pub seed: u64,
+    /// Number of RL steps (one generation batch and one optimizer update each).
+    pub steps: u64,
+}
+
+impl Default for RunConfig {
+    fn default() -> Self {
+        Self {
+            name: "rollout".into(),
+            output_dir: PathBuf::from("runs/rollout"),
+            seed: 0,
+            steps: 100,
+        }
+    }
+}
+
+/// Which Python environment the embedded interpreter uses.
+#[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PythonConfig {
+    /// A virtual environment directory. Default: `$ROLLOUT_VENV`, then `$VIRTUAL_ENV`, then a
+    /// `.venv` found upwards from the working directory or from the `rollout` executable.
+    pub venv: Option<PathBuf>,
+    /// Extra directories put on `sys.path` (for plugin modules outside the environment).
+    pub paths: Vec<PathBuf>,
+}
+
+/// A Python plugin: `"package.module:Class"` plus the table its `Config` is built from.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct PluginConfig {
+    pub plugin: String,
+    #[serde(default)]
+    pub options: toml::Table,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataConfig {
+    pub plugin: String,
+    #[serde(default)]
+    pub options: toml::Table,
+    /// Applied in order to every record of the source.
+    #[serde(default)]
+    pub transforms: Vec<PluginConfig>,
+    /// Shuffle the records every epoch (seeded by `run.seed`).
+    #[serde(default = "default_true")]
+    pub shuffle: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct RewardConfig {
+    pub plugin: String,
+    /// The sample's reward is the weighted sum of every reward's score.
+    #[serde(default = "default_one")]
+    pub weight: f64,
+    /// Metric name (`reward/<name>`); defaults to the class name in snake case.
+    pub name: Option<String>,
+    #[serde(default)]
+    pub options: toml::Table,
+}
+
+/// A multi-turn environment; without one, each record's prompt is a single-turn episode.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct EnvironmentConfig {
+    pub plugin: String,
+    #[serde(default)]
+    pub options: toml::Table,
+    /// Policy turns per episode at most.
+    #[serde(default = "default_max_turns")]
+    pub max_turns: u32,
+}
+
+/// Sampling of the completions for each step.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RolloutConfig {
+    /// Prompts drawn per step.
+    pub prompts_per_step: usize,
+    /// Completions sampled per prompt (the GRPO group).
+    pub group_size: usize,
+    /// Most tokens generated per turn.
+    pub max_new_tokens: u32,
+    pub temperature: f32,
+    pub top_p: f32,
+    /// 0 disables top-k.
+    pub top_k: u32,
+    /// Token ids that end a completion besides the model's end-of-sequence ids.
+    pub stop_token_ids: Vec<u32>,
+}
+
+impl Default for RolloutConfig {
+    fn default() -> Self {
+        Self {
+            prompts_per_step: 16,
+            group_size: 8,
+            max_new_tokens: 64,
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            stop_token_ids: Vec::new(),
+        }
+    }
+}
+
+/// How rewards become advantages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AdvantageEstimator {
+    /// GRPO: `(r - mean(group)) / (std(group) + eps)`.
+    GroupNorm,
+    /// Dr. GRPO: `r - mean(group)`, no division by the standard deviation.
+    GroupMean,
+    /// RLOO: `r - mean(others in the group)`.
+    LeaveOneOut,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AlgorithmConfig {
+    pub advantage: AdvantageEstimator,
+    /// Added to the group standard deviation for `group_norm`.
+    pub std_eps: f64,
+    /// Lower clip of the importance ratio: `1 - clip_low`.
+    pub clip_low: f32,
+    /// Upper clip of the importance ratio: `1 + clip_high` (DAPO's clip-higher raises it).
+    pub clip_high: f32,
+    /// Weight of the k3 KL penalty to the frozen reference model (0 turns it off and never
+    /// loads the reference).
+    pub kl_coef: f32,
+}
+
+impl Default for AlgorithmConfig {
+    fn default() -> Self {
+        Self {
+            advantage: AdvantageEstimator::GroupNorm,
+            std_eps: 1e-4,
+            clip_low: 0.2,
+            clip_high: 0.2,
+            kl_coef: 0.0,
+        }
+    }
+}
+
+/// The optimizer update of each step.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    pub learning_rate: f64,
+    /// Linear warm-up from 0 over this many updates.
+    pub warmup_steps: u64,
+    /// Padded tokens per micro-batch at most (rows x longest row); sequences are sorted by
+    /// length and packed greedily, so the number of rows follows the sequence lengths.
+    pub micro_batch_tokens: usize,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        Self {
+            learning_rate: 1e-6,
+            warmup_steps: 0,
+            micro_batch_tokens: 8192,
+        }
+    }
+}
+
+/// Supervised warm start before RL, on `prompt` -> `record[completion_key]` pairs of the data.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct SftConfig {
+    pub steps: u64,
+    /// Records per update.
+    #[serde(default = "default_sft_batch")]
+    pub batch_size: usize,
+    pub learning_rate: f64,
+    /// The record field holding the target completion.
+    #[serde(default = "default_completion_key")]
+    pub completion_key: String,
+    /// Append the model's end-of-sequence token so the policy learns to stop.
+    #[serde(default = "default_true")]
+    pub append_eos: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CheckpointConfig {
+    /// Write a checkpoint every this many RL steps (0: only at the end).
+    pub every: u64,
+    /// Complete checkpoints kept on disk (older ones are deleted).
+    pub keep: usize,
+}
+
+impl Default for CheckpointConfig {
+    fn default() -> Self {
+        Self { every: 0, keep: 2 }
+    }
+}
+
+fn default_true() -> bool {
+    true
+}
+
+fn default_one() -> f64 {
+    1.0
+}
+
+fn default_max_turns() -> u32 {
+    1
+}
+
+fn default_sft_batch() -> usize {
+    64
+}
+
+fn default_completion_key() -> String {
+    "answer".into()
+}

@@ -1,0 +1,120 @@
+//! Checks on values that parse but cannot run (a group of one, a negative temperature...).
+
+use super::load::{ConfigError, LoadedConfig};
+use super::location::KeyPath;
+
+pub fn validate(loaded: &LoadedConfig) -> Result<(), ConfigError> {
+    let config = &loaded.config;
+    let at = |path: &str| KeyPath::parse_dotted(path);
+    let check = |ok: bool, path: &str, message: &str| {
+        if ok {
+            Ok(())
+        } else {
+            Err(loaded.error_at(&at(path), message))
+        }
+    };
+    check(config.run.steps >= 1, "run.steps", "must be at least 1")?;
+    let rollout = &config.rollout;
+    check(
+        rollout.prompts_per_step >= 1,
+        "rollout.prompts_per_step",
+        "must be at least 1",
+    )?;
+    check(
+        rollout.group_size >= 2,
+        "rollout.group_size",
+        "must be at least 2: advantages compare the completions of a group",
+    )?;
+    check(
+        rollout.max_new_tokens >= 1,
+        "rollout.max_new_tokens",
+        "must be at least 1",
+    )?;
+    check(
+        rollout.temperature.is_finite() && rollout.temperature >= 0.0,
+        "rollout.temperature",
+        "must be a finite number >= 0 (0 is greedy)",
+    )?;
+    check(
+        rollout.top_p > 0.0 && rollout.top_p <= 1.0,
+        "rollout.top_p",
+        "must be in (0, 1]",
+    )?;
+    let algorithm = &config.algorithm;
+    check(
+        algorithm.clip_low >= 0.0 && algorithm.clip_low < 1.0,
+        "algorithm.clip_low",
+        "must be in [0, 1)",
+    )?;
+    check(
+        algorithm.clip_high >= 0.0,
+        "algorithm.clip_high",
+        "must be >= 0",
+    )?;
+    check(
+        algorithm.kl_coef.is_finite() && algorithm.kl_coef >= 0.0,
+        "algorithm.kl_coef",
+        "must be a finite number >= 0",
+    )?;
+    check(
+        algorithm.std_eps.is_finite() && algorithm.std_eps > 0.0,
+        "algorithm.std_eps",
+        "must be > 0",
+    )?;
+    let train = &config.train;
+    check(
+        train.learning_rate.is_finite() && train.learning_rate > 0.0,
+        "train.learning_rate",
+        "must be a finite number > 0",
+    )?;
+    check(
+        train.micro_batch_tokens >= 1,
+        "train.micro_batch_tokens",
+        "must be at least 1",
+    )?;
+    if let Some(sft) = &config.sft {
+        check(sft.batch_size >= 1, "sft.batch_size", "must be at least 1")?;
+        check(
+            sft.learning_rate.is_finite() && sft.learning_rate > 0.0,
+            "sft.learning_rate",
+            "must be a finite number > 0",
+        )?;
+    }
+    check(
+        config.checkpoint.keep >= 1,
+        "checkpoint.keep",
+        "must be at least 1",
+    )?;
+    if config.rewards.is_empty() && config.environment.is_none() {
+        return Err(loaded.error_at(
+            &KeyPath::default(),
+            "no reward: add a [[rewards]] table or an [environment]",
+        ));
+    }
+    for (index, reward) in config.rewards.iter().enumerate() {
+        if !reward.weight.is_finite() {
+            return Err(loaded.error_at(
+                &KeyPath::default().key("rewards").index(index).key("weight"),
+                "must be a finite number",
+            ));
+        }
+    }
+    if let Some(environment) = &config.environment {
+        check(
+            environment.max_turns >= 1,
+            "environment.max_turns",
+            "must be at least 1",
+        )?;
+    }
+    let mut names = std::collections::BTreeSet::new();
+    for (index, reward) in config.rewards.iter().enumerate() {
+        let name = super::reward_name(reward);
+        if !names.insert(name.clone()) {
+            return Err(loaded.error_at(
+                &KeyPath::default().key("rewards").index(index),
+                format!("a second reward named `{name}`: give one a different `name`"),
+            ));
+        }
+    }
+    Ok(())
+}

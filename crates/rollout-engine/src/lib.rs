@@ -1,0 +1,10 @@
+//! The `rollout` engine: configuration, the embedded Python plugin host, the roles and the
+//! training loop that drives them.
+
+pub mod config;
+pub mod local;
+pub mod plugins;
+pub mod python;
+pub mod roles;
+pub mod session;
+pub mod train;

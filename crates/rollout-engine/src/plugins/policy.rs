@@ -1,0 +1,410 @@
+//! The policy (model) plugin.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyTuple};
+use rollout_net::messages::{
+    Completion, FinishReason, GenerateRequest, GenerateResponse, MicroBatch, Objective,
+    TrainRequest,
+};
+
+use super::{PluginError, PluginLoadError, PluginRef, Sdk};
+use crate::config::{KeyPath, LoadedConfig};
+use crate::python::convert::py_to_json;
+
+pub struct PolicyPlugin {
+    plugin: PluginRef,
+    sdk: Arc<Sdk>,
+}
+
+impl PolicyPlugin {
+    pub fn load(
+        py: Python<'_>,
+        loaded: &LoadedConfig,
+        sdk: Arc<Sdk>,
+    ) -> Result<Self, PluginLoadError> {
+        let policy = &loaded.config.policy;
+        let plugin = PluginRef::load(
+            py,
+            loaded,
+            &KeyPath::default().key("policy"),
+            &policy.plugin,
+            &policy.options,
+            "Policy",
+        )?;
+        Ok(PolicyPlugin { plugin, sdk })
+    }
+
+    pub fn spec(&self) -> &str {
+        &self.plugin.spec
+    }
+
+    pub fn encode(&self, py: Python<'_>, texts: &[String]) -> Result<Vec<Vec<u32>>, PluginError> {
+        let hook = "encode";
+        let result = self.plugin.call(py, hook, (texts.to_vec(),))?;
+        let ids: Vec<Vec<i64>> = result.extract().map_err(|_| {
+            self.plugin
+                .bad_return(hook, "must return a list of lists of int")
+        })?;
+        if ids.len() != texts.len() {
+            return Err(self.plugin.bad_return(
+                hook,
+                format!("returned {} sequences for {} texts", ids.len(), texts.len()),
+            ));
+        }
+        ids.into_iter()
+            .map(|seq| self.token_ids(hook, seq.into_iter()))
+            .collect()
+    }
+
+    pub fn decode(&self, py: Python<'_>, sequences: &[&[u32]]) -> Result<Vec<String>, PluginError> {
+        let hook = "decode";
+        let lists: Vec<Vec<u32>> = sequences.iter().map(|s| s.to_vec()).collect();
+        let texts: Vec<String> = self
+            .plugin
+            .call(py, hook, (lists,))?
+            .extract()
+            .map_err(|_| self.plugin.bad_return(hook, "must return a list of str"))?;
+        if texts.len() != sequences.len() {
+            return Err(self.plugin.bad_return(
+                hook,
+                format!(
+                    "returned {} texts for {} sequences",
+                    texts.len(),
+                    sequences.len()
+                ),
+            ));
+        }
+        Ok(texts)
+    }
+
+    pub fn eos_token_ids(&self, py: Python<'_>) -> Result<Vec<u32>, PluginError> {
+        let hook = "eos_token_ids";
+        let ids: Vec<i64> = self
+            .plugin
+            .call(py, hook, ())?
+            .extract()
+            .map_err(|_| self.plugin.bad_return(hook, "must return a list of int"))?;
+        self.token_ids(hook, ids.into_iter())
+    }
+
+    pub fn describe(&self, py: Python<'_>) -> Result<serde_json::Value, PluginError> {
+        let hook = "describe";
+        let result = self.plugin.call(py, hook, ())?;
+        let dict = PyDict::new(py);
+        dict.update(
+            result
+                .cast::<pyo3::types::PyMapping>()
+                .map_err(|_| self.plugin.bad_return(hook, "must return a mapping"))?,
+        )
+        .map_err(|err| self.plugin.raised(py, hook, &err))?;
+        py_to_json(py, dict.as_any()).map_err(|err| self.plugin.raised(py, hook, &err))
+    }
+
+    /// Samples every prompt's completions and tags them with `weight_version`.
+    pub fn generate(
+        &self,
+        py: Python<'_>,
+        request: &GenerateRequest,
+        weight_version: u64,
+    ) -> Result<GenerateResponse, PluginError> {
+        let hook = "generate";
+        let sampling = &request.sampling;
+        let (requests, params) = self
+            .generation_args(py, request)
+            .map_err(|err| self.plugin.raised(py, hook, &err))?;
+        let result = self.plugin.call(py, hook, (requests, params))?;
+        let groups = result.cast::<PyList>().map_err(|_| {
+            self.plugin
+                .bad_return(hook, "must return a list (one per request)")
+        })?;
+        if groups.len() != request.prompts.len() {
+            return Err(self.plugin.bad_return(
+                hook,
+                format!(
+                    "returned {} groups for {} requests",
+                    groups.len(),
+                    request.prompts.len()
+                ),
+            ));
+        }
+        let mut out = Vec::with_capacity(groups.len());
+        for (group, prompt) in groups.iter().zip(&request.prompts) {
+            let group = group.cast::<PyList>().map_err(|_| {
+                self.plugin
+                    .bad_return(hook, "each group must be a list of Generation")
+            })?;
+            if group.len() != prompt.n as usize {
+                return Err(self.plugin.bad_return(
+                    hook,
+                    format!(
+                        "returned {} completions for a request with n={}",
+                        group.len(),
+                        prompt.n
+                    ),
+                ));
+            }
+            let completions = group
+                .iter()
+                .map(|generation| {
+                    self.completion(&generation, sampling.max_new_tokens, weight_version)
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            out.push(completions);
+        }
+        Ok(GenerateResponse { groups: out })
+    }
+
+    fn generation_args<'py>(
+        &self,
+        py: Python<'py>,
+        request: &GenerateRequest,
+    ) -> PyResult<(Bound<'py, PyList>, Bound<'py, PyAny>)> {
+        let sampling = &request.sampling;
+        let params = PyDict::new(py);
+        params.set_item("max_new_tokens", sampling.max_new_tokens)?;
+        params.set_item("temperature", sampling.temperature)?;
+        params.set_item("top_p", sampling.top_p)?;
+        params.set_item("top_k", sampling.top_k)?;
+        params.set_item(
+            "stop_token_ids",
+            PyTuple::new(py, &sampling.stop_token_ids)?,
+        )?;
+        params.set_item("seed", sampling.seed)?;
+        let params = self.sdk.sampling_params.bind(py).call((), Some(&params))?;
+        let requests = PyList::empty(py);
+        for prompt in &request.prompts {
+            let fields = PyDict::new(py);
+            let ids: Vec<i64> = prompt.prompt_ids.iter().map(|&t| i64::from(t)).collect();
+            fields.set_item("prompt_ids", PyArray1::from_vec(py, ids))?;
+            fields.set_item("n", prompt.n)?;
+            requests.append(
+                self.sdk
+                    .generation_request
+                    .bind(py)
+                    .call((), Some(&fields))?,
+            )?;
+        }
+        Ok((requests, params))
+    }
+
+    fn completion(
+        &self,
+        generation: &Bound<'_, PyAny>,
+        max_new_tokens: u32,
+        weight_version: u64,
+    ) -> Result<Completion, PluginError> {
+        let hook = "generate";
+        let bad = |reason: &str| self.plugin.bad_return(hook, reason.to_owned());
+        let token_ids = generation
+            .getattr("token_ids")
+            .ok()
+            .and_then(|a| a.extract::<PyReadonlyArray1<i64>>().ok())
+            .ok_or_else(|| bad("Generation.token_ids must be a 1-D int64 array"))?;
+        let logprobs = generation
+            .getattr("logprobs")
+            .ok()
+            .and_then(|a| a.extract::<PyReadonlyArray1<f32>>().ok())
+            .ok_or_else(|| bad("Generation.logprobs must be a 1-D float32 array"))?;
+        let token_ids = self.token_ids(hook, token_ids.as_array().iter().copied())?;
+        let logprobs = logprobs.as_array().to_vec();
+        if token_ids.len() != logprobs.len() {
+            return Err(bad("Generation.token_ids and logprobs differ in length"));
+        }
+        if token_ids.is_empty() || token_ids.len() > max_new_tokens as usize {
+            return Err(self.plugin.bad_return(
+                hook,
+                format!(
+                    "a completion has {} tokens, outside 1..={max_new_tokens}",
+                    token_ids.len()
+                ),
+            ));
+        }
+        if logprobs.iter().any(|l| !l.is_finite()) {
+            return Err(bad("a generated token's logprob is NaN or infinite"));
+        }
+        let finish_reason = match generation
+            .getattr("finish_reason")
+            .and_then(|r| r.extract::<String>())
+            .as_deref()
+        {
+            Ok("stop") => FinishReason::Stop,
+            Ok("length") => FinishReason::Length,
+            _ => {
+                return Err(bad(
+                    "Generation.finish_reason must be \"stop\" or \"length\"",
+                ));
+            }
+        };
+        Ok(Completion {
+            token_ids,
+            logprobs,
+            finish_reason,
+            weight_version,
+        })
+    }
+
+    /// One optimizer update: `train_step` on every micro-batch, then `apply_update`.
+    /// Returns micro-batch metrics averaged by loss tokens plus the update's metrics.
+    pub fn train(
+        &self,
+        py: Python<'_>,
+        request: &TrainRequest,
+    ) -> Result<BTreeMap<String, f64>, PluginError> {
+        let mut sums: BTreeMap<String, f64> = BTreeMap::new();
+        let mut total_tokens = 0.0;
+        for micro_batch in &request.micro_batches {
+            let metrics = self.train_step(py, micro_batch)?;
+            let tokens = micro_batch.loss_tokens() as f64;
+            total_tokens += tokens;
+            for (name, value) in metrics {
+                *sums.entry(name).or_default() += value * tokens;
+            }
+        }
+        let mut metrics: BTreeMap<String, f64> = sums
+            .into_iter()
+            .map(|(name, sum)| {
+                (
+                    name,
+                    if total_tokens > 0.0 {
+                        sum / total_tokens
+                    } else {
+                        0.0
+                    },
+                )
+            })
+            .collect();
+        let hook = "apply_update";
+        let update = self.plugin.call(py, hook, (request.learning_rate,))?;
+        metrics.extend(self.float_metrics(hook, &update)?);
+        Ok(metrics)
+    }
+
+    fn train_step(
+        &self,
+        py: Python<'_>,
+        batch: &MicroBatch,
+    ) -> Result<BTreeMap<String, f64>, PluginError> {
+        let hook = "train_step";
+        let train_batch = self
+            .train_batch(py, batch)
+            .map_err(|err| self.plugin.raised(py, hook, &err))?;
+        let result = self.plugin.call(py, hook, (train_batch,))?;
+        let metrics = self.float_metrics(hook, &result)?;
+        match metrics.get("loss") {
+            Some(loss) if loss.is_finite() => Ok(metrics),
+            Some(loss) => Err(self.plugin.bad_return(
+                hook,
+                format!("the loss is {loss}; refusing to apply a non-finite update"),
+            )),
+            None => Err(self
+                .plugin
+                .bad_return(hook, "the returned metrics have no `loss`")),
+        }
+    }
+
+    fn train_batch<'py>(&self, py: Python<'py>, batch: &MicroBatch) -> PyResult<Bound<'py, PyAny>> {
+        let objective = PyDict::new(py);
+        let objective = match &batch.objective {
+            Objective::Grpo {
+                clip_low,
+                clip_high,
+                kl_coef,
+                temperature,
+            } => {
+                objective.set_item("clip_low", clip_low)?;
+                objective.set_item("clip_high", clip_high)?;
+                objective.set_item("kl_coef", kl_coef)?;
+                objective.set_item("temperature", temperature)?;
+                self.sdk
+                    .grpo_objective
+                    .bind(py)
+                    .call((), Some(&objective))?
+            }
+            Objective::Sft => self.sdk.sft_objective.bind(py).call0()?,
+        };
+        let (rows, width) = (batch.rows, batch.width);
+        let fields = PyDict::new(py);
+        fields.set_item(
+            "input_ids",
+            matrix(
+                py,
+                batch.input_ids.iter().map(|&t| i64::from(t)).collect(),
+                rows,
+                width,
+            )?,
+        )?;
+        fields.set_item(
+            "attention_mask",
+            matrix(
+                py,
+                batch.attention_mask.iter().map(|&m| i64::from(m)).collect(),
+                rows,
+                width,
+            )?,
+        )?;
+        fields.set_item(
+            "loss_mask",
+            matrix(py, batch.loss_mask.clone(), rows, width)?,
+        )?;
+        fields.set_item(
+            "advantages",
+            matrix(py, batch.advantages.clone(), rows, width)?,
+        )?;
+        fields.set_item(
+            "old_logprobs",
+            matrix(py, batch.old_logprobs.clone(), rows, width)?,
+        )?;
+        fields.set_item("loss_scale", batch.loss_scale)?;
+        fields.set_item("objective", objective)?;
+        self.sdk.train_batch.bind(py).call((), Some(&fields))
+    }
+
+    fn float_metrics(
+        &self,
+        hook: &'static str,
+        value: &Bound<'_, PyAny>,
+    ) -> Result<BTreeMap<String, f64>, PluginError> {
+        value.extract::<BTreeMap<String, f64>>().map_err(|_| {
+            self.plugin
+                .bad_return(hook, "must return a mapping of str to float")
+        })
+    }
+
+    pub fn save(&self, py: Python<'_>, directory: &Path) -> Result<(), PluginError> {
+        self.plugin.call(py, "save", (directory,)).map(drop)
+    }
+
+    pub fn load_state(&self, py: Python<'_>, directory: &Path) -> Result<(), PluginError> {
+        self.plugin.call(py, "load", (directory,)).map(drop)
+    }
+
+    fn token_ids(
+        &self,
+        hook: &'static str,
+        ids: impl Iterator<Item = i64>,
+    ) -> Result<Vec<u32>, PluginError> {
+        ids.map(|id| {
+            u32::try_from(id).map_err(|_| {
+                self.plugin
+                    .bad_return(hook, format!("token id {id} is out of range"))
+            })
+        })
+        .collect()
+    }
+}
+
+fn matrix<'py, T: numpy::Element>(
+    py: Python<'py>,
+    values: Vec<T>,
+    rows: usize,
+    width: usize,
+) -> PyResult<Bound<'py, PyAny>> {
+    Ok(PyArray1::from_vec(py, values)
+        .reshape([rows, width])?
+        .into_any())
+}

@@ -1,0 +1,98 @@
+//! The interfaces between the controller and the parts that do the work.
+//!
+//! The controller (data, advantages, batching, checkpoints) talks to generation, scoring,
+//! training, environments and observers only through these traits, with the message types of
+//! `rollout_net`. [`crate::local::LocalRoles`] implements them all in one process on the
+//! embedded interpreter; a transport can implement them across processes and machines.
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::pin::Pin;
+
+use rollout_net::messages::{
+    GenerateRequest, GenerateResponse, ScoreRequest, ScoreResponse, TrainRequest, TrainResponse,
+};
+
+use crate::plugins::PluginError;
+use crate::python::PythonError;
+
+pub type RoleFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, RoleError>> + Send + 'a>>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum RoleError {
+    #[error(transparent)]
+    Plugin(#[from] PluginError),
+    #[error(transparent)]
+    Python(#[from] PythonError),
+    #[error("role protocol violated: {0}")]
+    Protocol(String),
+}
+
+pub trait Generator: Send + Sync {
+    /// Samples completions with the weights the generator currently holds.
+    fn generate(&self, request: GenerateRequest) -> RoleFuture<'_, GenerateResponse>;
+}
+
+pub trait Scorer: Send + Sync {
+    fn score(&self, request: ScoreRequest) -> RoleFuture<'_, ScoreResponse>;
+}
+
+pub trait Learner: Send + Sync {
+    /// Applies one optimizer update and returns the new weight version.
+    fn train(&self, request: TrainRequest) -> RoleFuture<'_, TrainResponse>;
+    /// Writes the weights and optimizer state into `directory`.
+    fn save(&self, directory: PathBuf) -> RoleFuture<'_, ()>;
+    /// Restores what `save` wrote; the weights become `weight_version`.
+    fn restore(&self, directory: PathBuf, weight_version: u64) -> RoleFuture<'_, ()>;
+}
+
+pub trait Tokenizer: Send + Sync {
+    fn encode(&self, texts: Vec<String>) -> RoleFuture<'_, Vec<Vec<u32>>>;
+    fn decode(&self, sequences: Vec<Vec<u32>>) -> RoleFuture<'_, Vec<String>>;
+    fn eos_token_ids(&self) -> RoleFuture<'_, Vec<u32>>;
+}
+
+/// One episode to start: its data record and the seed shared by its group.
+#[derive(Debug, Clone)]
+pub struct EpisodeStart {
+    pub record: serde_json::Value,
+    pub seed: u64,
+}
+
+pub use crate::plugins::StepOutcome;
+
+pub trait Environments: Send + Sync {
+    /// Starts episodes and returns their first prompts; episode `i` has id `first_id + i`.
+    fn start(&self, first_id: u64, episodes: Vec<EpisodeStart>) -> RoleFuture<'_, Vec<String>>;
+    fn step(&self, actions: Vec<(u64, String)>) -> RoleFuture<'_, Vec<StepOutcome>>;
+    /// Releases finished episodes.
+    fn finish(&self, ids: Vec<u64>) -> RoleFuture<'_, ()>;
+}
+
+/// Run-level events for callbacks; observers cannot fail a run.
+pub trait Observer: Send + Sync {
+    fn run_started(&self, info: RunStarted) -> Pin<Box<dyn Future<Output = ()> + Send + '_>>;
+    fn step_ended(
+        &self,
+        step: u64,
+        metrics: serde_json::Value,
+    ) -> Pin<Box<dyn Future<Output = ()> + Send + '_>>;
+    fn checkpoint_written(
+        &self,
+        step: u64,
+        path: PathBuf,
+    ) -> Pin<Box<dyn Future<Output = ()> + Send + '_>>;
+    fn run_ended(
+        &self,
+        summary: serde_json::Value,
+    ) -> Pin<Box<dyn Future<Output = ()> + Send + '_>>;
+}
+
+#[derive(Debug, Clone)]
+pub struct RunStarted {
+    pub name: String,
+    pub output_dir: PathBuf,
+    pub total_steps: u64,
+    pub start_step: u64,
+    pub config: serde_json::Value,
+}

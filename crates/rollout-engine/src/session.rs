@@ -1,0 +1,135 @@
+//! Setting up a run: config, interpreter, plugins and data, shared by `run` and `check`.
+
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+
+use crate::config::LoadedConfig;
+use crate::local::{LocalError, LocalRoles};
+use crate::plugins::Record;
+use crate::python::{PythonError, PythonSetup, PythonWorker};
+use crate::roles::{RoleError, Tokenizer};
+use crate::train::{Controller, Roles, RunError, Start, Summary};
+
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    #[error(transparent)]
+    Python(#[from] PythonError),
+    #[error(transparent)]
+    Local(#[from] LocalError),
+    #[error(transparent)]
+    Role(#[from] RoleError),
+    #[error(transparent)]
+    Run(#[from] RunError),
+}
+
+/// A config with its plugins loaded and its data read.
+pub struct Session {
+    pub loaded: LoadedConfig,
+    pub roles: LocalRoles,
+    pub records: Vec<Record>,
+}
+
+impl Session {
+    pub async fn open(loaded: LoadedConfig) -> Result<Self, SessionError> {
+        let python = &loaded.config.python;
+        let setup = PythonSetup::discover(python.venv.as_deref(), &python.paths)?;
+        let worker = tokio::task::spawn_blocking(move || PythonWorker::start(setup))
+            .await
+            .map_err(|err| {
+                PythonError::Setup(format!("the Python start-up task failed: {err}"))
+            })??;
+        let roles = LocalRoles::load(worker, &loaded).await?;
+        let records = roles.records().await?;
+        Ok(Session {
+            loaded,
+            roles,
+            records,
+        })
+    }
+
+    /// What `rollout check` prints: every plugin loaded and the data read and tokenised.
+    pub async fn report(&self) -> Result<String, SessionError> {
+        let config = &self.loaded.config;
+        let prompts: Vec<String> = self.records.iter().map(|r| r.prompt.clone()).collect();
+        let encoded = self.roles.encode(prompts).await?;
+        let longest = encoded.iter().map(Vec::len).max().unwrap_or(0);
+        if let Some(sft) = &config.sft {
+            if let Some(index) = self
+                .records
+                .iter()
+                .position(|r| r.fields.get(&sft.completion_key).is_none())
+            {
+                return Err(RunError::Data(format!(
+                    "[sft] needs `{}` in every record, but record {index} has none",
+                    sft.completion_key
+                ))
+                .into());
+            }
+        }
+        let policy = self.roles.describe_policy().await?;
+        let rewards: Vec<String> = config
+            .rewards
+            .iter()
+            .map(|r| format!("{} x {}", crate::config::reward_name(r), r.weight))
+            .collect();
+        let mut lines = vec![
+            format!("config OK: {}", self.loaded.path.display()),
+            format!("  policy       {} {policy}", self.roles.policy_spec()),
+            format!(
+                "  data         {} records, longest prompt {longest} tokens, first prompt {:?}",
+                self.records.len(),
+                self.records
+                    .first()
+                    .map(|r| r.prompt.as_str())
+                    .unwrap_or_default()
+            ),
+            format!(
+                "  rewards      {}",
+                if rewards.is_empty() {
+                    "none".into()
+                } else {
+                    rewards.join(", ")
+                }
+            ),
+        ];
+        if let Some(environment) = &config.environment {
+            lines.push(format!(
+                "  environment  {} (max {} turns)",
+                environment.plugin, environment.max_turns
+            ));
+        }
+        lines.push(format!("  callbacks    {}", config.callbacks.len()));
+        lines.push(format!(
+            "  per step     {} prompts x {} completions, up to {} new tokens each",
+            config.rollout.prompts_per_step,
+            config.rollout.group_size,
+            config.rollout.max_new_tokens
+        ));
+        Ok(lines.join("\n"))
+    }
+
+    /// Runs the training loop; `interrupted` is set by the Ctrl-C handler.
+    pub async fn run(
+        self,
+        start: Start,
+        interrupted: Arc<AtomicBool>,
+    ) -> Result<Summary, SessionError> {
+        let roles = Roles {
+            generator: &self.roles,
+            scorer: &self.roles,
+            learner: &self.roles,
+            tokenizer: &self.roles,
+            environments: if self.roles.has_environment() {
+                Some(&self.roles)
+            } else {
+                None
+            },
+            observer: &self.roles,
+        };
+        let config = &self.loaded.config;
+        let mut controller = Controller::new(config, roles, self.records.clone(), interrupted);
+        let result = controller.run(start).await;
+        controller.finish(result.as_ref().ok()).await;
+        Ok(result?)
+    }
+}

@@ -1,0 +1,105 @@
+//! `metrics.jsonl`: one JSON object per step, appended and flushed as the step ends.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+
+pub struct MetricsLog {
+    path: PathBuf,
+    file: File,
+}
+
+impl MetricsLog {
+    /// Opens `path` for appending; when resuming after `keep_through_step`, lines of later
+    /// steps (written after that checkpoint, and about to be redone) are dropped first.
+    pub fn open(path: &Path, keep_through_step: Option<u64>) -> std::io::Result<Self> {
+        if let Some(parent) = path.parent() {
+            fs::create_dir_all(parent)?;
+        }
+        match keep_through_step {
+            Some(step) if path.exists() => truncate_after(path, step)?,
+            None if path.exists() => fs::remove_file(path)?,
+            _ => {}
+        }
+        let file = OpenOptions::new().create(true).append(true).open(path)?;
+        Ok(MetricsLog {
+            path: path.to_path_buf(),
+            file,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn append(&mut self, metrics: &serde_json::Value) -> std::io::Result<()> {
+        let mut line = serde_json::to_vec(metrics)?;
+        line.push(b'\n');
+        self.file.write_all(&line)?;
+        self.file.flush()
+    }
+}
+
+fn truncate_after(path: &Path, step: u64) -> std::io::Result<()> {
+    let reader = BufReader::new(File::open(path)?);
+    let mut kept = Vec::new();
+    for line in reader.lines() {
+        let line = line?;
+        let line_step = serde_json::from_str::<serde_json::Value>(&line)
+            .ok()
+            .and_then(|v| v.get("step").and_then(serde_json::Value::as_u64));
+        if matches!(line_step, Some(s) if s <= step) {
+            kept.push(line);
+        }
+    }
+    let tmp = path.with_extension("jsonl.tmp");
+    let mut out = File::create(&tmp)?;
+    for line in kept {
+        writeln!(out, "{line}")?;
+    }
+    out.sync_all()?;
+    fs::rename(tmp, path)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resume_drops_steps_after_the_checkpoint() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("metrics.jsonl");
+        let mut log = MetricsLog::open(&path, None).unwrap();
+        for step in 1..=5 {
+            log.append(&serde_json::json!({ "step": step })).unwrap();
+        }
+        drop(log);
+        let mut log = MetricsLog::open(&path, Some(3)).unwrap();
+        log.append(&serde_json::json!({ "step": 4, "again": true }))
+            .unwrap();
+        let text = fs::read_to_string(&path).unwrap();
+        let steps: Vec<u64> = text
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["step"]
+                    .as_u64()
+                    .unwrap()
+            })
+            .collect();
+        assert_eq!(steps, [1, 2, 3, 4]);
+        assert!(text.contains("again"));
+    }
+
+    #[test]
+    fn a_fresh_run_starts_an_empty_file() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("m/metrics.jsonl");
+        fs::create_dir_all(path.parent().unwrap()).unwrap();
+        fs::write(&path, "{\"step\": 1}\n").unwrap();
+        let mut log = MetricsLog::open(&path, None).unwrap();
+        log.append(&serde_json::json!({ "step": 1, "new": 1 }))
+            .unwrap();
+        assert_eq!(fs::read_to_string(&path).unwrap().lines().count(), 1);
+    }
+}

@@ -1,0 +1,841 @@
+//! The controller: the training loop that drives every role.
+//!
+//! Each RL step draws prompts, samples `group_size` completions per prompt (single-turn, or
+//! episodes against an environment), scores them, turns rewards into group advantages,
+//! packs the sequences into token-budget micro-batches, applies one optimizer update, logs
+//! one metrics line and checkpoints when due.
+
+mod advantage;
+mod batch;
+mod batching;
+mod checkpoint;
+mod cursor;
+mod metrics;
+mod state;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use rollout_net::messages::{
+    FinishReason, GenerateRequest, Objective, PromptRequest, SamplingParams, ScoreRequest,
+    ScoreSample, TrainRequest,
+};
+use serde_json::{Map, Value, json};
+
+use crate::config::{Config, SftConfig};
+use crate::plugins::Record;
+use crate::roles::{
+    Environments, EpisodeStart, Generator, Learner, Observer, RoleError, RunStarted, Scorer,
+    Tokenizer,
+};
+
+pub use advantage::group_advantages;
+pub use batch::{PackingStats, TrainSequence, micro_batches};
+pub use batching::{pack_by_token_budget, padded_tokens};
+pub use checkpoint::{Checkpoint, CheckpointError, CheckpointStore, verify};
+pub use cursor::{DataCursor, mix};
+pub use metrics::MetricsLog;
+pub use state::{DataPosition, RunState};
+
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error(transparent)]
+    Role(#[from] RoleError),
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    #[error("{context} {}: {source}", path.display())]
+    Io {
+        context: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error(
+        "{} already holds a run ({what}); pass --resume to continue it or --overwrite to start over",
+        dir.display()
+    )]
+    OutputExists { dir: PathBuf, what: String },
+    #[error("{0}")]
+    Data(String),
+    #[error("interrupted; the last checkpoint is {}", checkpoint.as_deref().map_or("none".into(), |p| p.display().to_string()))]
+    Interrupted { checkpoint: Option<PathBuf> },
+}
+
+/// How `rollout run` treats an existing output directory.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Start {
+    /// Refuse to touch an output directory that already holds a run.
+    #[default]
+    Fresh,
+    /// Continue from the newest valid checkpoint (from scratch when there is none).
+    Resume,
+    /// Delete the previous run's metrics and checkpoints first.
+    Overwrite,
+}
+
+/// The roles a run drives.
+pub struct Roles<'a> {
+    pub generator: &'a dyn Generator,
+    pub scorer: &'a dyn Scorer,
+    pub learner: &'a dyn Learner,
+    pub tokenizer: &'a dyn Tokenizer,
+    pub environments: Option<&'a dyn Environments>,
+    pub observer: &'a dyn Observer,
+}
+
+/// What a finished (or interrupted) run reports.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Summary {
+    pub steps_completed: u64,
+    pub first_rewards_mean: Option<f64>,
+    pub last_rewards_mean: Option<f64>,
+    pub checkpoint: Option<PathBuf>,
+    pub wall_seconds: f64,
+}
+
+/// Steps averaged at each end of the run for the summary.
+const SUMMARY_WINDOW: usize = 10;
+
+/// One sampled episode, token-exact: everything the policy generated and the context around.
+#[derive(Debug, Clone)]
+struct Trajectory {
+    group: usize,
+    record: usize,
+    tokens: Vec<u32>,
+    loss_mask: Vec<bool>,
+    logprobs: Vec<f32>,
+    prompt_len: usize,
+    finish_reason: FinishReason,
+    env_return: f64,
+    weight_version: u64,
+}
+
+impl Trajectory {
+    fn generated_tokens(&self) -> usize {
+        self.loss_mask.iter().filter(|&&m| m).count()
+    }
+}
+
+pub struct Controller<'a> {
+    config: &'a Config,
+    roles: Roles<'a>,
+    records: Vec<Record>,
+    prompt_ids: Vec<Vec<u32>>,
+    store: CheckpointStore,
+    state: RunState,
+    interrupted: Arc<AtomicBool>,
+    last_checkpoint: Option<PathBuf>,
+}
+
+impl<'a> Controller<'a> {
+    pub fn new(
+        config: &'a Config,
+        roles: Roles<'a>,
+        records: Vec<Record>,
+        interrupted: Arc<AtomicBool>,
+    ) -> Self {
+        let store = CheckpointStore::new(
+            config.run.output_dir.join("checkpoints"),
+            config.checkpoint.keep,
+        );
+        Controller {
+            config,
+            roles,
+            records,
+            prompt_ids: Vec::new(),
+            store,
+            state: RunState::new(config.run.seed),
+            interrupted,
+            last_checkpoint: None,
+        }
+    }
+
+    fn output(&self, name: &str) -> PathBuf {
+        self.config.run.output_dir.join(name)
+    }
+
+    pub async fn run(&mut self, start: Start) -> Result<Summary, RunError> {
+        let started = Instant::now();
+        self.prepare_output(start)?;
+        let resumed = if start == Start::Resume {
+            self.resume().await?
+        } else {
+            false
+        };
+        let mut metrics = MetricsLog::open(
+            &self.output("metrics.jsonl"),
+            resumed.then_some(self.state.step),
+        )
+        .map_err(|source| io_error("cannot open", &self.output("metrics.jsonl"), source))?;
+        self.prompt_ids = self
+            .roles
+            .tokenizer
+            .encode(self.records.iter().map(|r| r.prompt.clone()).collect())
+            .await?;
+        self.roles
+            .observer
+            .run_started(RunStarted {
+                name: self.config.run.name.clone(),
+                output_dir: self.config.run.output_dir.clone(),
+                total_steps: self.config.run.steps,
+                start_step: self.state.step,
+                config: serde_json::to_value(self.config).unwrap_or(Value::Null),
+            })
+            .await;
+
+        if let Some(sft) = &self.config.sft {
+            if self.state.sft_step < sft.steps {
+                self.supervised_warm_start(sft, resumed).await?;
+                if !self.stopping() {
+                    self.checkpoint().await?;
+                }
+            }
+        }
+        let mut cursor = DataCursor::new(
+            self.records.len(),
+            mix(self.config.run.seed, 1),
+            self.config.data.shuffle,
+            self.state.data,
+        );
+        while self.state.step < self.config.run.steps && !self.stopping() {
+            let step = self.state.step + 1;
+            let line = self.rl_step(step, &mut cursor).await?;
+            self.state.step = step;
+            self.state.data = cursor.position();
+            if let Some(reward) = line.get("reward_mean").and_then(Value::as_f64) {
+                self.state.reward_history.push(reward);
+            }
+            metrics
+                .append(&line)
+                .map_err(|source| io_error("cannot write", metrics.path(), source))?;
+            self.roles.observer.step_ended(step, line).await;
+            let every = self.config.checkpoint.every;
+            if every > 0 && step % every == 0 {
+                self.checkpoint().await?;
+            }
+        }
+        let checkpoint_is_current = self
+            .last_checkpoint
+            .as_ref()
+            .is_some_and(|dir| dir.ends_with(format!("step-{:08}", self.state.step)));
+        if !checkpoint_is_current && (self.state.step > 0 || self.state.sft_step > 0) {
+            self.checkpoint().await?;
+        }
+        let summary = self.summary(started);
+        self.write_summary(&summary)?;
+        if self.stopping() {
+            return Err(RunError::Interrupted {
+                checkpoint: self.last_checkpoint.clone(),
+            });
+        }
+        Ok(summary)
+    }
+
+    fn stopping(&self) -> bool {
+        self.interrupted.load(Ordering::SeqCst)
+    }
+
+    fn prepare_output(&self, start: Start) -> Result<(), RunError> {
+        let dir = &self.config.run.output_dir;
+        let previous: Vec<&str> = [
+            "metrics.jsonl",
+            "checkpoints",
+            "sft_metrics.jsonl",
+            "summary.json",
+        ]
+        .into_iter()
+        .filter(|name| dir.join(name).exists())
+        .collect();
+        match start {
+            Start::Fresh if !previous.is_empty() => {
+                return Err(RunError::OutputExists {
+                    dir: dir.clone(),
+                    what: previous.join(", "),
+                });
+            }
+            Start::Overwrite => {
+                for name in previous {
+                    let path = dir.join(name);
+                    let removed = if path.is_dir() {
+                        std::fs::remove_dir_all(&path)
+                    } else {
+                        std::fs::remove_file(&path)
+                    };
+                    removed.map_err(|source| io_error("cannot remove", &path, source))?;
+                }
+            }
+            _ => {}
+        }
+        std::fs::create_dir_all(dir).map_err(|source| io_error("cannot create", dir, source))?;
+        let resolved = self.output("config.toml");
+        let text = toml::to_string_pretty(self.config).unwrap_or_default();
+        std::fs::write(&resolved, text)
+            .map_err(|source| io_error("cannot write", &resolved, source))
+    }
+
+    async fn resume(&mut self) -> Result<bool, RunError> {
+        let Some(checkpoint) = self.store.latest_valid()? else {
+            tracing::info!("no checkpoint to resume from; starting from scratch");
+            return Ok(false);
+        };
+        if checkpoint.state.seed != self.config.run.seed {
+            tracing::warn!(
+                "resuming a run seeded {} with run.seed = {}; the data order continues from the checkpoint's seed",
+                checkpoint.state.seed,
+                self.config.run.seed
+            );
+        }
+        self.roles
+            .learner
+            .restore(checkpoint.policy_dir(), checkpoint.state.weight_version)
+            .await?;
+        tracing::info!(
+            "resumed from {} (step {}, weight version {})",
+            checkpoint.dir.display(),
+            checkpoint.state.step,
+            checkpoint.state.weight_version
+        );
+        self.state = checkpoint.state;
+        self.last_checkpoint = Some(checkpoint.dir);
+        Ok(true)
+    }
+
+    async fn checkpoint(&mut self) -> Result<(), RunError> {
+        let pending = self.store.begin(self.state.step)?;
+        self.roles.learner.save(pending.policy_dir()).await?;
+        let dir = self.store.commit(pending, &self.state)?;
+        tracing::info!("checkpoint written: {}", dir.display());
+        self.roles
+            .observer
+            .checkpoint_written(self.state.step, dir.clone())
+            .await;
+        self.last_checkpoint = Some(dir);
+        Ok(())
+    }
+
+    async fn supervised_warm_start(
+        &mut self,
+        sft: &SftConfig,
+        resumed: bool,
+    ) -> Result<(), RunError> {
+        let mut targets = Vec::with_capacity(self.records.len());
+        for (index, record) in self.records.iter().enumerate() {
+            match record.fields.get(&sft.completion_key) {
+                Some(Value::String(text)) => targets.push(text.clone()),
+                Some(other) => targets.push(other.to_string()),
+                None => {
+                    return Err(RunError::Data(format!(
+                        "[sft] needs `{}` in every record, but record {index} has none",
+                        sft.completion_key
+                    )));
+                }
+            }
+        }
+        let mut completions = self.roles.tokenizer.encode(targets).await?;
+        if sft.append_eos {
+            let eos = self.roles.tokenizer.eos_token_ids().await?;
+            let Some(&eos) = eos.first() else {
+                return Err(RunError::Data(
+                    "[sft] append_eos needs an end-of-sequence token, and the policy has none"
+                        .into(),
+                ));
+            };
+            for completion in &mut completions {
+                completion.push(eos);
+            }
+        }
+        let log_path = self.output("sft_metrics.jsonl");
+        let mut log = MetricsLog::open(&log_path, resumed.then_some(self.state.sft_step))
+            .map_err(|source| io_error("cannot open", &log_path, source))?;
+        let mut cursor = DataCursor::new(
+            self.records.len(),
+            mix(self.config.run.seed, 2),
+            true,
+            self.state.sft_data,
+        );
+        let report_every = (sft.steps / 10).max(1);
+        while self.state.sft_step < sft.steps && !self.stopping() {
+            let started = Instant::now();
+            let sequences: Vec<TrainSequence> = cursor
+                .take(sft.batch_size)
+                .into_iter()
+                .map(|index| {
+                    let prompt = &self.prompt_ids[index];
+                    let completion = &completions[index];
+                    let tokens: Vec<u32> = prompt.iter().chain(completion).copied().collect();
+                    TrainSequence {
+                        loss_mask: (0..tokens.len()).map(|t| t >= prompt.len()).collect(),
+                        logprobs: vec![0.0; tokens.len()],
+                        tokens,
+                        advantage: 0.0,
+                    }
+                })
+                .collect();
+            let (batches, packing) = micro_batches(
+                &sequences,
+                &Objective::Sft,
+                self.config.train.micro_batch_tokens,
+                false,
+            );
+            let response = self
+                .roles
+                .learner
+                .train(TrainRequest {
+                    micro_batches: batches,
+                    learning_rate: sft.learning_rate,
+                })
+                .await?;
+            self.state.sft_step += 1;
+            self.state.sft_data = cursor.position();
+            self.state.weight_version = response.weight_version;
+            let mut line = Map::new();
+            line.insert("sft_step".into(), json!(self.state.sft_step));
+            for (name, value) in &response.metrics {
+                line.insert(name.clone(), json!(value));
+            }
+            line.insert("tokens".into(), json!(packing.real_tokens));
+            line.insert(
+                "step_seconds".into(),
+                json!(started.elapsed().as_secs_f64()),
+            );
+            line.insert("weight_version".into(), json!(response.weight_version));
+            let loss = response.metrics.get("loss").copied().unwrap_or(f64::NAN);
+            log.append(&Value::Object(line))
+                .map_err(|source| io_error("cannot write", &log_path, source))?;
+            if self.state.sft_step % report_every == 0 || self.state.sft_step == sft.steps {
+                tracing::info!(
+                    "sft step {}/{}: loss {loss:.4}",
+                    self.state.sft_step,
+                    sft.steps
+                );
+            }
+        }
+        Ok(())
+    }
+
+    fn sampling(&self, seed: u64) -> SamplingParams {
+        let rollout = &self.config.rollout;
+        SamplingParams {
+            max_new_tokens: rollout.max_new_tokens,
+            temperature: rollout.temperature,
+            top_p: rollout.top_p,
+            top_k: rollout.top_k,
+            stop_token_ids: rollout.stop_token_ids.clone(),
+            seed,
+        }
+    }
+
+    async fn rl_step(&mut self, step: u64, cursor: &mut DataCursor) -> Result<Value, RunError> {
+        let started = Instant::now();
+        let rollout = &self.config.rollout;
+        let records = cursor.take(rollout.prompts_per_step);
+        let seed = mix(self.config.run.seed, 1000 + step);
+        let trajectories = match self.roles.environments {
+            Some(environments) => self.run_episodes(environments, &records, seed).await?,
+            None => self.sample_completions(&records, seed).await?,
+        };
+        let generate_seconds = started.elapsed().as_secs_f64();
+
+        let scoring = Instant::now();
+        let completions = self
+            .roles
+            .tokenizer
+            .decode(
+                trajectories
+                    .iter()
+                    .map(|t| t.tokens[t.prompt_len..].to_vec())
+                    .collect(),
+            )
+            .await?;
+        let samples = trajectories
+            .iter()
+            .zip(completions)
+            .map(|(trajectory, completion)| ScoreSample {
+                prompt: self.records[trajectory.record].prompt.clone(),
+                completion,
+                record: self.records[trajectory.record].fields.clone(),
+                finish_reason: trajectory.finish_reason,
+            })
+            .collect();
+        let scores = self.roles.scorer.score(ScoreRequest { samples }).await?;
+        let rewards: Vec<f64> = trajectories
+            .iter()
+            .zip(&scores.totals)
+            .map(|(trajectory, total)| total + trajectory.env_return)
+            .collect();
+        let score_seconds = scoring.elapsed().as_secs_f64();
+
+        let algorithm = &self.config.algorithm;
+        let mut advantages = vec![0.0; trajectories.len()];
+        let mut zero_std_groups = 0;
+        for group in 0..records.len() {
+            let members: Vec<usize> = (0..trajectories.len())
+                .filter(|&i| trajectories[i].group == group)
+                .collect();
+            let group_rewards: Vec<f64> = members.iter().map(|&i| rewards[i]).collect();
+            if group_rewards.windows(2).all(|w| w[0] == w[1]) {
+                zero_std_groups += 1;
+            }
+            for (&i, advantage) in members.iter().zip(group_advantages(
+                &group_rewards,
+                algorithm.advantage,
+                algorithm.std_eps,
+            )) {
+                advantages[i] = advantage;
+            }
+        }
+
+        let training = Instant::now();
+        let sequences: Vec<TrainSequence> = trajectories
+            .iter()
+            .zip(&advantages)
+            .map(|(trajectory, &advantage)| TrainSequence {
+                tokens: trajectory.tokens.clone(),
+                loss_mask: trajectory.loss_mask.clone(),
+                logprobs: trajectory.logprobs.clone(),
+                advantage: advantage as f32,
+            })
+            .collect();
+        let objective = Objective::Grpo {
+            clip_low: algorithm.clip_low,
+            clip_high: algorithm.clip_high,
+            kl_coef: algorithm.kl_coef,
+            temperature: if rollout.temperature > 0.0 {
+                rollout.temperature
+            } else {
+                1.0
+            },
+        };
+        let skip_zero = algorithm.kl_coef == 0.0;
+        let (batches, packing) = micro_batches(
+            &sequences,
+            &objective,
+            self.config.train.micro_batch_tokens,
+            skip_zero,
+        );
+        let learning_rate = self.learning_rate(self.state.weight_version);
+        let response = self
+            .roles
+            .learner
+            .train(TrainRequest {
+                micro_batches: batches,
+                learning_rate,
+            })
+            .await?;
+        self.state.weight_version = response.weight_version;
+        let train_seconds = training.elapsed().as_secs_f64();
+
+        let step_seconds = started.elapsed().as_secs_f64();
+        let generated: Vec<usize> = trajectories
+            .iter()
+            .map(Trajectory::generated_tokens)
+            .collect();
+        let generated_tokens: usize = generated.iter().sum();
+        let count = trajectories.len().max(1) as f64;
+        let mut line = Map::new();
+        line.insert("step".into(), json!(step));
+        line.insert("reward_mean".into(), json!(mean(&rewards)));
+        line.insert("reward_std".into(), json!(std_dev(&rewards)));
+        for component in &scores.components {
+            line.insert(
+                format!("reward/{}", component.name),
+                json!(mean(&component.scores)),
+            );
+        }
+        if self.roles.environments.is_some() {
+            let returns: Vec<f64> = trajectories.iter().map(|t| t.env_return).collect();
+            line.insert("env_return_mean".into(), json!(mean(&returns)));
+        }
+        for (name, value) in &response.metrics {
+            line.insert(name.clone(), json!(value));
+        }
+        line.insert("completions".into(), json!(trajectories.len()));
+        line.insert("generated_tokens".into(), json!(generated_tokens));
+        line.insert(
+            "completion_length_mean".into(),
+            json!(generated_tokens as f64 / count),
+        );
+        line.insert(
+            "completion_length_max".into(),
+            json!(generated.iter().max().copied().unwrap_or(0)),
+        );
+        let truncated = trajectories
+            .iter()
+            .filter(|t| t.finish_reason == FinishReason::Length)
+            .count();
+        line.insert("truncated_fraction".into(), json!(truncated as f64 / count));
+        line.insert(
+            "zero_std_group_fraction".into(),
+            json!(zero_std_groups as f64 / records.len().max(1) as f64),
+        );
+        line.insert("micro_batches".into(), json!(packing.micro_batches));
+        line.insert("trained_rows".into(), json!(packing.rows));
+        line.insert("skipped_rows".into(), json!(packing.skipped_rows));
+        let padding = if packing.padded_tokens > 0 {
+            1.0 - packing.real_tokens as f64 / packing.padded_tokens as f64
+        } else {
+            0.0
+        };
+        line.insert("padding_fraction".into(), json!(padding));
+        line.insert("generate_seconds".into(), json!(generate_seconds));
+        line.insert("score_seconds".into(), json!(score_seconds));
+        line.insert("train_seconds".into(), json!(train_seconds));
+        line.insert("step_seconds".into(), json!(step_seconds));
+        line.insert(
+            "samples_per_second".into(),
+            json!(trajectories.len() as f64 / step_seconds),
+        );
+        line.insert(
+            "tokens_per_second".into(),
+            json!(generated_tokens as f64 / step_seconds),
+        );
+        line.insert("learning_rate".into(), json!(learning_rate));
+        let sampled_with = trajectories
+            .iter()
+            .map(|t| t.weight_version)
+            .min()
+            .unwrap_or(0);
+        line.insert("generation_weight_version".into(), json!(sampled_with));
+        line.insert("weight_version".into(), json!(response.weight_version));
+        line.insert("epoch".into(), json!(cursor.position().epoch));
+        Ok(Value::Object(line))
+    }
+
+    /// Linear warm-up over `train.warmup_steps` RL updates, then constant.
+    fn learning_rate(&self, weight_version: u64) -> f64 {
+        let train = &self.config.train;
+        let rl_updates = weight_version.saturating_sub(self.state.sft_step) + 1;
+        if train.warmup_steps == 0 {
+            return train.learning_rate;
+        }
+        train.learning_rate * (rl_updates as f64 / train.warmup_steps as f64).min(1.0)
+    }
+
+    /// Single-turn: every prompt is completed `group_size` times in one generation call.
+    async fn sample_completions(
+        &self,
+        records: &[usize],
+        seed: u64,
+    ) -> Result<Vec<Trajectory>, RunError> {
+        let group_size = self.config.rollout.group_size;
+        let request = GenerateRequest {
+            prompts: records
+                .iter()
+                .map(|&record| PromptRequest {
+                    prompt_ids: self.prompt_ids[record].clone(),
+                    n: group_size as u32,
+                })
+                .collect(),
+            sampling: self.sampling(seed),
+        };
+        let response = self.roles.generator.generate(request).await?;
+        let mut trajectories = Vec::with_capacity(records.len() * group_size);
+        for (group, (&record, completions)) in records.iter().zip(response.groups).enumerate() {
+            let prompt = &self.prompt_ids[record];
+            for completion in completions {
+                let mut tokens = prompt.clone();
+                tokens.extend_from_slice(&completion.token_ids);
+                let mut logprobs = vec![0.0; prompt.len()];
+                logprobs.extend_from_slice(&completion.logprobs);
+                trajectories.push(Trajectory {
+                    group,
+                    record,
+                    loss_mask: (0..tokens.len()).map(|t| t >= prompt.len()).collect(),
+                    tokens,
+                    logprobs,
+                    prompt_len: prompt.len(),
+                    finish_reason: completion.finish_reason,
+                    env_return: 0.0,
+                    weight_version: completion.weight_version,
+                });
+            }
+        }
+        Ok(trajectories)
+    }
+
+    /// Multi-turn: each group plays `group_size` episodes seeded alike; turns of all live
+    /// episodes are generated together. Observations are appended as context tokens (not
+    /// trained on); generated tokens are kept exactly as sampled.
+    async fn run_episodes(
+        &self,
+        environments: &dyn Environments,
+        records: &[usize],
+        seed: u64,
+    ) -> Result<Vec<Trajectory>, RunError> {
+        let group_size = self.config.rollout.group_size;
+        let max_turns = self.config.environment.as_ref().map_or(1, |e| e.max_turns);
+        let first_id = seed;
+        let starts: Vec<EpisodeStart> = records
+            .iter()
+            .enumerate()
+            .flat_map(|(group, &record)| {
+                let episode_seed = mix(seed, group as u64);
+                (0..group_size).map(move |_| (record, episode_seed))
+            })
+            .map(|(record, seed)| EpisodeStart {
+                record: self.records[record].fields.clone(),
+                seed,
+            })
+            .collect();
+        let ids: Vec<u64> = (0..starts.len() as u64)
+            .map(|i| first_id.wrapping_add(i))
+            .collect();
+        let prompts = environments.start(first_id, starts).await?;
+        let prompt_ids = self.roles.tokenizer.encode(prompts).await?;
+        let mut trajectories: Vec<Trajectory> = prompt_ids
+            .into_iter()
+            .enumerate()
+            .map(|(index, tokens)| Trajectory {
+                group: index / group_size,
+                record: records[index / group_size],
+                loss_mask: vec![false; tokens.len()],
+                logprobs: vec![0.0; tokens.len()],
+                prompt_len: tokens.len(),
+                tokens,
+                finish_reason: FinishReason::Stop,
+                env_return: 0.0,
+                weight_version: u64::MAX,
+            })
+            .collect();
+        let mut live: Vec<usize> = (0..trajectories.len()).collect();
+        let result = async {
+            for turn in 0..max_turns {
+                if live.is_empty() {
+                    break;
+                }
+                let request = GenerateRequest {
+                    prompts: live
+                        .iter()
+                        .map(|&i| PromptRequest {
+                            prompt_ids: trajectories[i].tokens.clone(),
+                            n: 1,
+                        })
+                        .collect(),
+                    sampling: self.sampling(mix(seed, 1 + turn as u64)),
+                };
+                let response = self.roles.generator.generate(request).await?;
+                let mut actions = Vec::with_capacity(live.len());
+                for (&i, mut group) in live.iter().zip(response.groups) {
+                    let Some(completion) = group.pop() else {
+                        continue;
+                    };
+                    let trajectory = &mut trajectories[i];
+                    trajectory.tokens.extend_from_slice(&completion.token_ids);
+                    trajectory.logprobs.extend_from_slice(&completion.logprobs);
+                    trajectory
+                        .loss_mask
+                        .extend(std::iter::repeat_n(true, completion.token_ids.len()));
+                    trajectory.finish_reason = completion.finish_reason;
+                    trajectory.weight_version =
+                        trajectory.weight_version.min(completion.weight_version);
+                    actions.push(completion.token_ids);
+                }
+                let texts = self.roles.tokenizer.decode(actions).await?;
+                let outcomes = environments
+                    .step(live.iter().map(|&i| ids[i]).zip(texts).collect())
+                    .await?;
+                let mut observations = Vec::new();
+                let mut still_live = Vec::new();
+                for (&i, outcome) in live.iter().zip(outcomes) {
+                    trajectories[i].env_return += outcome.reward;
+                    if !outcome.done && turn + 1 < max_turns {
+                        observations.push(outcome.observation);
+                        still_live.push(i);
+                    }
+                }
+                let observation_ids = self.roles.tokenizer.encode(observations).await?;
+                for (&i, tokens) in still_live.iter().zip(observation_ids) {
+                    let trajectory = &mut trajectories[i];
+                    trajectory
+                        .loss_mask
+                        .extend(std::iter::repeat_n(false, tokens.len()));
+                    trajectory
+                        .logprobs
+                        .extend(std::iter::repeat_n(0.0, tokens.len()));
+                    trajectory.tokens.extend(tokens);
+                }
+                live = still_live;
+            }
+            Ok::<_, RunError>(())
+        }
+        .await;
+        environments.finish(ids).await?;
+        result?;
+        Ok(trajectories)
+    }
+
+    fn summary(&self, started: Instant) -> Summary {
+        let history = &self.state.reward_history;
+        let window = SUMMARY_WINDOW.min(history.len());
+        let (first, last) = if window == 0 {
+            (None, None)
+        } else {
+            (
+                Some(mean(&history[..window])),
+                Some(mean(&history[history.len() - window..])),
+            )
+        };
+        Summary {
+            steps_completed: self.state.step,
+            first_rewards_mean: first,
+            last_rewards_mean: last,
+            checkpoint: self.last_checkpoint.clone(),
+            wall_seconds: started.elapsed().as_secs_f64(),
+        }
+    }
+
+    fn write_summary(&self, summary: &Summary) -> Result<(), RunError> {
+        let value = json!({
+            "name": self.config.run.name,
+            "steps_completed": summary.steps_completed,
+            "steps_planned": self.config.run.steps,
+            "interrupted": self.stopping(),
+            "reward_mean_first_steps": summary.first_rewards_mean,
+            "reward_mean_last_steps": summary.last_rewards_mean,
+            "summary_window": SUMMARY_WINDOW,
+            "checkpoint": summary.checkpoint,
+            "wall_seconds": summary.wall_seconds,
+        });
+        let path = self.output("summary.json");
+        let text = serde_json::to_string_pretty(&value).unwrap_or_default();
+        std::fs::write(&path, text).map_err(|source| io_error("cannot write", &path, source))?;
+        Ok(())
+    }
+
+    /// Tells the observers the run ended (also after an interruption).
+    pub async fn finish(&self, summary: Option<&Summary>) {
+        let value = json!({
+            "steps_completed": self.state.step,
+            "interrupted": self.stopping(),
+            "reward_mean_first_steps": summary.and_then(|s| s.first_rewards_mean),
+            "reward_mean_last_steps": summary.and_then(|s| s.last_rewards_mean),
+            "checkpoint": self.last_checkpoint,
+        });
+        self.roles.observer.run_ended(value).await;
+    }
+}
+
+fn io_error(context: &'static str, path: &Path, source: std::io::Error) -> RunError {
+    RunError::Io {
+        context,
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+fn mean(values: &[f64]) -> f64 {
+    if values.is_empty() {
+        0.0
+    } else {
+        values.iter().sum::<f64>() / values.len() as f64
+    }
+}
+
+fn std_dev(values: &[f64]) -> f64 {
+    if values.len() < 2 {
+        return 0.0;
+    }
+    let m = mean(values);
+    (values.iter().map(|v| (v - m).powi(2)).sum::<f64>() / values.len() as f64).sqrt()
+}

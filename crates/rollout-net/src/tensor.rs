@@ -1,0 +1,546 @@
+//! Tensor payloads for weight sync, laid out like safetensors: a table of named tensors (in a
+//! frame's JSON header) addressing byte ranges of one raw buffer (the frame's payload).
+//!
+//! Tensor data is little-endian and row-major, as in safetensors. A table from the wire is
+//! untrusted: [`TensorTable::tensor_bytes`] validates it against the payload before slicing.
+
+use std::collections::HashSet;
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+/// Where [`TensorPayloadBuilder`] starts each tensor: a multiple of this many bytes.
+pub const TENSOR_ALIGN: usize = 8;
+
+/// An element type; serialized as its safetensors name (`"F32"`, `"BF16"`, ...).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "UPPERCASE")]
+pub enum Dtype {
+    Bool,
+    U8,
+    I8,
+    #[serde(rename = "F8_E4M3")]
+    F8E4M3,
+    #[serde(rename = "F8_E5M2")]
+    F8E5M2,
+    I16,
+    U16,
+    F16,
+    BF16,
+    I32,
+    U32,
+    F32,
+    I64,
+    U64,
+    F64,
+}
+
+impl Dtype {
+    pub const ALL: [Dtype; 15] = [
+        Dtype::Bool,
+        Dtype::U8,
+        Dtype::I8,
+        Dtype::F8E4M3,
+        Dtype::F8E5M2,
+        Dtype::I16,
+        Dtype::U16,
+        Dtype::F16,
+        Dtype::BF16,
+        Dtype::I32,
+        Dtype::U32,
+        Dtype::F32,
+        Dtype::I64,
+        Dtype::U64,
+        Dtype::F64,
+    ];
+
+    /// Bytes per element.
+    pub fn size_bytes(self) -> u64 {
+        match self {
+            Dtype::Bool | Dtype::U8 | Dtype::I8 | Dtype::F8E4M3 | Dtype::F8E5M2 => 1,
+            Dtype::I16 | Dtype::U16 | Dtype::F16 | Dtype::BF16 => 2,
+            Dtype::I32 | Dtype::U32 | Dtype::F32 => 4,
+            Dtype::I64 | Dtype::U64 | Dtype::F64 => 8,
+        }
+    }
+
+    /// The safetensors name, which is also the serde form.
+    pub fn safetensors_name(self) -> &'static str {
+        match self {
+            Dtype::Bool => "BOOL",
+            Dtype::U8 => "U8",
+            Dtype::I8 => "I8",
+            Dtype::F8E4M3 => "F8_E4M3",
+            Dtype::F8E5M2 => "F8_E5M2",
+            Dtype::I16 => "I16",
+            Dtype::U16 => "U16",
+            Dtype::F16 => "F16",
+            Dtype::BF16 => "BF16",
+            Dtype::I32 => "I32",
+            Dtype::U32 => "U32",
+            Dtype::F32 => "F32",
+            Dtype::I64 => "I64",
+            Dtype::U64 => "U64",
+            Dtype::F64 => "F64",
+        }
+    }
+
+    pub fn from_safetensors_name(name: &str) -> Option<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|dtype| dtype.safetensors_name() == name)
+    }
+
+    /// Bytes a tensor of this type and `shape` occupies, or `None` if that overflows `u64`.
+    pub fn byte_len(self, shape: &[u64]) -> Option<u64> {
+        shape
+            .iter()
+            .try_fold(1u64, |numel, &dim| numel.checked_mul(dim))?
+            .checked_mul(self.size_bytes())
+    }
+}
+
+impl std::fmt::Display for Dtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.safetensors_name())
+    }
+}
+
+/// One tensor of a payload: bytes `offset..offset + len`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorMeta {
+    pub name: String,
+    pub dtype: Dtype,
+    pub shape: Vec<u64>,
+    pub offset: u64,
+    pub len: u64,
+}
+
+impl TensorMeta {
+    /// Checks that `len` matches the shape and dtype and that the range lies in the payload.
+    fn validate(&self, payload_len: u64) -> Result<(), TensorError> {
+        let expected =
+            self.dtype
+                .byte_len(&self.shape)
+                .ok_or_else(|| TensorError::SizeOverflow {
+                    name: self.name.clone(),
+                    dtype: self.dtype,
+                    shape: self.shape.clone(),
+                })?;
+        if self.len != expected {
+            return Err(TensorError::LengthMismatch {
+                name: self.name.clone(),
+                dtype: self.dtype,
+                shape: self.shape.clone(),
+                len: self.len,
+                expected,
+            });
+        }
+        match self.offset.checked_add(self.len) {
+            Some(end) if end <= payload_len => Ok(()),
+            _ => Err(TensorError::OutOfRange {
+                name: self.name.clone(),
+                offset: self.offset,
+                len: self.len,
+                payload_len,
+            }),
+        }
+    }
+}
+
+/// The layout of a tensor payload. Serialized as a plain JSON array of [`TensorMeta`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct TensorTable {
+    pub tensors: Vec<TensorMeta>,
+}
+
+impl TensorTable {
+    /// Checks the table against a payload of `payload_len` bytes: every length matches its
+    /// shape and dtype, every range lies inside the payload, no two ranges overlap and no
+    /// name repeats. Gaps (alignment padding) are allowed.
+    pub fn validate(&self, payload_len: u64) -> Result<(), TensorError> {
+        let mut names = HashSet::with_capacity(self.tensors.len());
+        for tensor in &self.tensors {
+            tensor.validate(payload_len)?;
+            if !names.insert(tensor.name.as_str()) {
+                return Err(TensorError::DuplicateName {
+                    name: tensor.name.clone(),
+                });
+            }
+        }
+        // Sorted by start, ranges overlap somewhere only if some neighbours do. Empty tensors
+        // occupy no bytes and so overlap nothing.
+        let mut ranges: Vec<&TensorMeta> = self.tensors.iter().filter(|t| t.len > 0).collect();
+        ranges.sort_unstable_by_key(|t| t.offset);
+        for pair in ranges.windows(2) {
+            if let [a, b] = pair {
+                // `a`'s range is in the payload, so its end does not overflow.
+                if b.offset < a.offset + a.len {
+                    return Err(TensorError::Overlap {
+                        first: a.name.clone(),
+                        second: b.name.clone(),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Validates the table against `payload`, then returns each tensor with its bytes, in
+    /// table order.
+    pub fn tensor_bytes<'a>(
+        &'a self,
+        payload: &'a [u8],
+    ) -> Result<Vec<(&'a TensorMeta, &'a [u8])>, TensorError> {
+        let payload_len = payload.len() as u64;
+        self.validate(payload_len)?;
+        self.tensors
+            .iter()
+            .map(|tensor| {
+                // Validated to lie inside `payload`, so these conversions cannot fail.
+                let range = usize::try_from(tensor.offset)
+                    .ok()
+                    .zip(usize::try_from(tensor.len).ok())
+                    .and_then(|(start, len)| payload.get(start..start.checked_add(len)?));
+                range
+                    .map(|bytes| (tensor, bytes))
+                    .ok_or_else(|| TensorError::OutOfRange {
+                        name: tensor.name.clone(),
+                        offset: tensor.offset,
+                        len: tensor.len,
+                        payload_len,
+                    })
+            })
+            .collect()
+    }
+}
+
+/// The BLAKE3 digest of a payload as lowercase hex, the form of
+/// [`crate::messages::WeightsUpdate::checksum`].
+pub fn checksum(payload: &[u8]) -> String {
+    blake3::hash(payload).to_hex().to_string()
+}
+
+/// Lays named tensors out one after another in a single payload, each starting at a multiple
+/// of [`TENSOR_ALIGN`] bytes (gaps are zero-filled).
+#[derive(Debug, Default)]
+pub struct TensorPayloadBuilder {
+    table: TensorTable,
+    payload: Vec<u8>,
+    names: HashSet<String>,
+}
+
+impl TensorPayloadBuilder {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A builder whose payload buffer starts with room for `bytes` bytes.
+    pub fn with_capacity(bytes: usize) -> Self {
+        Self {
+            payload: Vec::with_capacity(bytes),
+            ..Self::default()
+        }
+    }
+
+    /// Appends a tensor; `data` is its little-endian, row-major bytes.
+    pub fn push(
+        &mut self,
+        name: impl Into<String>,
+        dtype: Dtype,
+        shape: Vec<u64>,
+        data: &[u8],
+    ) -> Result<&mut Self, TensorError> {
+        let name = name.into();
+        if self.names.contains(&name) {
+            return Err(TensorError::DuplicateName { name });
+        }
+        let Some(expected) = dtype.byte_len(&shape) else {
+            return Err(TensorError::SizeOverflow { name, dtype, shape });
+        };
+        let len = data.len() as u64;
+        if len != expected {
+            return Err(TensorError::LengthMismatch {
+                name,
+                dtype,
+                shape,
+                len,
+                expected,
+            });
+        }
+        let offset = self.payload.len().next_multiple_of(TENSOR_ALIGN);
+        self.payload.resize(offset, 0);
+        self.payload.extend_from_slice(data);
+        self.names.insert(name.clone());
+        self.table.tensors.push(TensorMeta {
+            name,
+            dtype,
+            shape,
+            offset: offset as u64,
+            len,
+        });
+        Ok(self)
+    }
+
+    /// The table and the payload it describes.
+    pub fn finish(self) -> (TensorTable, Bytes) {
+        (self.table, Bytes::from(self.payload))
+    }
+}
+
+/// Why a tensor table does not describe a payload.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TensorError {
+    #[error("tensor {name:?} appears more than once")]
+    DuplicateName { name: String },
+    #[error("tensor {name:?} of shape {shape:?} and dtype {dtype} is too large to address")]
+    SizeOverflow {
+        name: String,
+        dtype: Dtype,
+        shape: Vec<u64>,
+    },
+    #[error(
+        "tensor {name:?} is {len} bytes, but shape {shape:?} of dtype {dtype} needs {expected}"
+    )]
+    LengthMismatch {
+        name: String,
+        dtype: Dtype,
+        shape: Vec<u64>,
+        len: u64,
+        expected: u64,
+    },
+    #[error(
+        "tensor {name:?} at offset {offset} with length {len} lies outside the {payload_len}-byte payload"
+    )]
+    OutOfRange {
+        name: String,
+        offset: u64,
+        len: u64,
+        payload_len: u64,
+    },
+    #[error("tensors {first:?} and {second:?} overlap in the payload")]
+    Overlap { first: String, second: String },
+    #[error("payload checksum is {found}, but the sender's is {expected}")]
+    ChecksumMismatch { expected: String, found: String },
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+
+    fn meta(name: &str, dtype: Dtype, shape: &[u64], offset: u64, len: u64) -> TensorMeta {
+        TensorMeta {
+            name: name.to_owned(),
+            dtype,
+            shape: shape.to_vec(),
+            offset,
+            len,
+        }
+    }
+
+    fn table(tensors: Vec<TensorMeta>) -> TensorTable {
+        TensorTable { tensors }
+    }
+
+    #[test]
+    fn dtype_serde_names_are_safetensors_names() {
+        for dtype in Dtype::ALL {
+            let json = serde_json::to_string(&dtype).unwrap();
+            assert_eq!(json, format!("\"{}\"", dtype.safetensors_name()));
+            assert_eq!(serde_json::from_str::<Dtype>(&json).unwrap(), dtype);
+            assert_eq!(
+                Dtype::from_safetensors_name(dtype.safetensors_name()),
+                Some(dtype)
+            );
+        }
+        assert_eq!(Dtype::BF16.size_bytes(), 2);
+        assert_eq!(Dtype::Bool.size_bytes(), 1);
+        assert_eq!(Dtype::from_safetensors_name("F128"), None);
+        assert!(serde_json::from_str::<Dtype>("\"f32\"").is_err());
+    }
+
+    #[test]
+    fn byte_len_checks_overflow() {
+        assert_eq!(Dtype::F32.byte_len(&[2, 3]), Some(24));
+        assert_eq!(
+            Dtype::F32.byte_len(&[]),
+            Some(4),
+            "a scalar has one element"
+        );
+        assert_eq!(Dtype::F32.byte_len(&[0, u64::MAX]), Some(0));
+        assert_eq!(Dtype::U8.byte_len(&[u64::MAX, 2]), None);
+        assert_eq!(
+            Dtype::F32.byte_len(&[u64::MAX / 2]),
+            None,
+            "numel fits, bytes don't"
+        );
+    }
+
+    #[test]
+    fn valid_table_passes() {
+        let t = table(vec![
+            meta("a", Dtype::F32, &[2], 0, 8),
+            meta("b", Dtype::U8, &[3], 8, 3),
+            meta("empty", Dtype::F32, &[0, 4], 4, 0),
+            meta("c", Dtype::I64, &[], 16, 8),
+        ]);
+        t.validate(24).unwrap();
+        t.validate(100).unwrap();
+    }
+
+    #[test]
+    fn rejects_wrong_length() {
+        let err = table(vec![meta("a", Dtype::F32, &[2, 2], 0, 15)])
+            .validate(64)
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                TensorError::LengthMismatch {
+                    len: 15,
+                    expected: 16,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn rejects_out_of_range() {
+        let err = table(vec![meta("a", Dtype::U8, &[4], 8, 4)])
+            .validate(11)
+            .unwrap_err();
+        assert!(matches!(err, TensorError::OutOfRange { .. }), "{err}");
+        // offset + len overflows u64.
+        let err = table(vec![meta("a", Dtype::U8, &[4], u64::MAX - 1, 4)])
+            .validate(u64::MAX)
+            .unwrap_err();
+        assert!(matches!(err, TensorError::OutOfRange { .. }), "{err}");
+    }
+
+    #[test]
+    fn rejects_overlap() {
+        let err = table(vec![
+            meta("a", Dtype::U8, &[8], 0, 8),
+            meta("b", Dtype::U8, &[4], 20, 4),
+            meta("c", Dtype::U8, &[4], 7, 4),
+        ])
+        .validate(64)
+        .unwrap_err();
+        assert_eq!(
+            err,
+            TensorError::Overlap {
+                first: "a".into(),
+                second: "c".into()
+            }
+        );
+        // One range inside another, not adjacent once sorted.
+        let err = table(vec![
+            meta("outer", Dtype::U8, &[32], 0, 32),
+            meta("x", Dtype::U8, &[4], 4, 4),
+            meta("y", Dtype::U8, &[4], 16, 4),
+        ])
+        .validate(64)
+        .unwrap_err();
+        assert!(matches!(err, TensorError::Overlap { .. }), "{err}");
+        // Touching ranges do not overlap.
+        table(vec![
+            meta("a", Dtype::U8, &[8], 0, 8),
+            meta("b", Dtype::U8, &[8], 8, 8),
+        ])
+        .validate(16)
+        .unwrap();
+    }
+
+    #[test]
+    fn rejects_duplicate_names() {
+        let err = table(vec![
+            meta("a", Dtype::U8, &[1], 0, 1),
+            meta("a", Dtype::U8, &[1], 8, 1),
+        ])
+        .validate(16)
+        .unwrap_err();
+        assert_eq!(err, TensorError::DuplicateName { name: "a".into() });
+    }
+
+    #[test]
+    fn rejects_shape_overflow() {
+        let err = table(vec![meta("a", Dtype::F16, &[1 << 32, 1 << 32], 0, 0)])
+            .validate(0)
+            .unwrap_err();
+        assert!(matches!(err, TensorError::SizeOverflow { .. }), "{err}");
+    }
+
+    #[test]
+    fn builder_aligns_and_slices_round_trip() {
+        let a: Vec<u8> = [1.0f32, 2.0, 3.0]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        let b = [7u8; 5];
+        let c: Vec<u8> = [-1i64, 2].iter().flat_map(|x| x.to_le_bytes()).collect();
+        let mut builder = TensorPayloadBuilder::new();
+        builder
+            .push("a", Dtype::F32, vec![3], &a)
+            .unwrap()
+            .push("b", Dtype::U8, vec![5], &b)
+            .unwrap()
+            .push("c", Dtype::I64, vec![2, 1], &c)
+            .unwrap();
+        let (table, payload) = builder.finish();
+        let offsets: Vec<u64> = table.tensors.iter().map(|t| t.offset).collect();
+        assert_eq!(offsets, [0, 16, 24]);
+        assert_eq!(payload.len(), 40);
+        assert_eq!(&payload[12..16], &[0; 4], "padding is zeroed");
+
+        let slices = table.tensor_bytes(&payload).unwrap();
+        let names: Vec<&str> = slices.iter().map(|(t, _)| t.name.as_str()).collect();
+        assert_eq!(names, ["a", "b", "c"]);
+        assert_eq!(slices[0].1, &a[..]);
+        assert_eq!(slices[1].1, &b[..]);
+        assert_eq!(slices[2].1, &c[..]);
+
+        // Survives the JSON header, as a plain array.
+        let json = serde_json::to_value(&table).unwrap();
+        assert!(json.is_array());
+        assert_eq!(serde_json::from_value::<TensorTable>(json).unwrap(), table);
+
+        // A truncated payload no longer fits the table.
+        let err = table.tensor_bytes(&payload[..39]).unwrap_err();
+        assert!(matches!(err, TensorError::OutOfRange { .. }), "{err}");
+    }
+
+    #[test]
+    fn builder_rejects_bad_tensors() {
+        let mut builder = TensorPayloadBuilder::with_capacity(64);
+        builder.push("a", Dtype::U8, vec![2], &[1, 2]).unwrap();
+        assert!(matches!(
+            builder.push("a", Dtype::U8, vec![1], &[1]),
+            Err(TensorError::DuplicateName { .. })
+        ));
+        assert!(matches!(
+            builder.push("b", Dtype::F32, vec![2], &[0; 7]),
+            Err(TensorError::LengthMismatch { .. })
+        ));
+        assert!(matches!(
+            builder.push("c", Dtype::F32, vec![u64::MAX, 2], &[]),
+            Err(TensorError::SizeOverflow { .. })
+        ));
+        let (table, payload) = builder.finish();
+        assert_eq!(table.tensors.len(), 1, "rejected tensors are not added");
+        assert_eq!(&payload[..], &[1, 2]);
+    }
+
+    #[test]
+    fn checksum_is_blake3_hex() {
+        let sum = checksum(b"");
+        assert_eq!(sum.len(), 64);
+        assert_eq!(
+            sum,
+            "af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262"
+        );
+    }
+}
