@@ -19,6 +19,8 @@ pub const HOME_VARIABLE: &str = "ROLLOUT_HOME";
 #[derive(Debug, Clone, Default)]
 pub struct PythonSetup {
     pub venv: Option<PathBuf>,
+    /// The venv was created with `--system-site-packages`.
+    pub system_site_packages: bool,
     /// Put on `sys.path` before the venv: the built-in packages, the working directory and
     /// any configured paths.
     pub paths: Vec<PathBuf>,
@@ -40,7 +42,12 @@ impl PythonSetup {
         }
         paths.extend(extra.iter().cloned());
         paths.dedup();
-        Ok(PythonSetup { venv, paths })
+        let system_site_packages = venv.as_deref().is_some_and(includes_system_site_packages);
+        Ok(PythonSetup {
+            venv,
+            system_site_packages,
+            paths,
+        })
     }
 
     /// `<venv>/lib/pythonX.Y/site-packages` for the linked interpreter's version.
@@ -70,6 +77,18 @@ impl PythonSetup {
             },
         )))
     }
+}
+
+fn includes_system_site_packages(venv: &Path) -> bool {
+    std::fs::read_to_string(venv.join("pyvenv.cfg"))
+        .map(|cfg| {
+            cfg.lines().any(|line| {
+                line.split_once('=').is_some_and(|(key, value)| {
+                    key.trim() == "include-system-site-packages" && value.trim() == "true"
+                })
+            })
+        })
+        .unwrap_or(false)
 }
 
 fn require_venv(path: &Path, source: &str) -> Result<PathBuf, PythonError> {

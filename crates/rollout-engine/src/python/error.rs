@@ -23,7 +23,12 @@ impl PythonError {
             .unwrap_or_else(|_| type_name(value.as_any()));
         let traceback = py
             .import("traceback")
-            .and_then(|tb| tb.call_method1("format_exception", (value,)))
+            .and_then(|tb| {
+                tb.call_method1(
+                    "format_exception",
+                    (err.get_type(py), value, err.traceback(py)),
+                )
+            })
             .and_then(|lines| Ok(lines.cast_into::<PyList>()?))
             .map(|lines| {
                 lines

@@ -105,17 +105,31 @@ fn prepare(py: Python<'_>, setup: &PythonSetup) -> Result<(), PythonError> {
         .cast_into::<PyList>()
         .map_err(|e| wrap(e.into()))?;
     for (index, dir) in setup.paths.iter().enumerate() {
-        path.insert(index, dir).map_err(wrap)?;
+        path.insert(index, dir.to_string_lossy().as_ref())
+            .map_err(wrap)?;
     }
     if let (Some(venv), Some(site_packages)) = (&setup.venv, &site_packages) {
-        py.import("site")
-            .and_then(|site| site.call_method1("addsitedir", (site_packages,)))
+        let site = py.import("site").map_err(wrap)?;
+        if !setup.system_site_packages {
+            // The interpreter started with its base prefix; a venv hides the base packages.
+            let base: Vec<String> = site
+                .call_method0("getsitepackages")
+                .and_then(|p| p.extract())
+                .map_err(wrap)?;
+            for dir in base {
+                while path.call_method1("remove", (&dir,)).is_ok() {}
+            }
+        }
+        site.call_method1("addsitedir", (site_packages.to_string_lossy().as_ref(),))
             .map_err(wrap)?;
-        sys.setattr("prefix", venv).map_err(wrap)?;
-        sys.setattr("exec_prefix", venv).map_err(wrap)?;
+        sys.setattr("prefix", venv.to_string_lossy().as_ref())
+            .map_err(wrap)?;
+        sys.setattr("exec_prefix", venv.to_string_lossy().as_ref())
+            .map_err(wrap)?;
         let python = venv.join("bin/python");
         if python.exists() {
-            sys.setattr("executable", python).map_err(wrap)?;
+            sys.setattr("executable", python.to_string_lossy().as_ref())
+                .map_err(wrap)?;
         }
     }
     tracing::debug!(

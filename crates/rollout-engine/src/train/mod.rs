@@ -238,6 +238,8 @@ impl<'a> Controller<'a> {
 
     fn prepare_output(&self, start: Start) -> Result<(), RunError> {
         let dir = &self.config.run.output_dir;
+        // Only files with content count as a previous run: a run that failed before its
+        // first step can be started again as it is.
         let previous: Vec<&str> = [
             "metrics.jsonl",
             "checkpoints",
@@ -245,7 +247,16 @@ impl<'a> Controller<'a> {
             "summary.json",
         ]
         .into_iter()
-        .filter(|name| dir.join(name).exists())
+        .filter(|name| {
+            let path = dir.join(name);
+            match std::fs::metadata(&path) {
+                Ok(meta) if meta.is_dir() => {
+                    std::fs::read_dir(&path).is_ok_and(|mut d| d.next().is_some())
+                }
+                Ok(meta) => meta.len() > 0,
+                Err(_) => false,
+            }
+        })
         .collect();
         match start {
             Start::Fresh if !previous.is_empty() => {

@@ -1,0 +1,424 @@
+//! The `rollout` binary on good and bad input: config errors with locations and suggestions,
+//! plugin failures with their traceback, and a short run with the torch-free toy policy.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .canonicalize()
+        .unwrap()
+}
+
+fn rollout(args: &[&str], cwd: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_rollout"))
+        .args(args)
+        .current_dir(cwd)
+        .env_remove("ROLLOUT_LOG")
+        .output()
+        .expect("the rollout binary runs")
+}
+
+fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+fn stdout(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+/// A config for the toy policy; `rewards` is spliced in as TOML.
+fn toy_config(dir: &Path, rewards: &str, extra: &str) -> PathBuf {
+    let repo = repo();
+    let text = format!(
+        r#"[run]
+name = "toy"
+output_dir = "{out}"
+steps = 3
+
+[python]
+paths = ["{fixtures}"]
+
+[policy]
+plugin = "toy_plugins:ToyPolicy"
+
+[data]
+plugin = "python_plugins.data:JsonlPrompts"
+options = {{ path = "{prompts}" }}
+
+[rollout]
+prompts_per_step = 2
+group_size = 3
+max_new_tokens = 4
+
+[train]
+learning_rate = 0.001
+{rewards}
+{extra}
+"#,
+        out = dir.join("out").display(),
+        fixtures = repo.join("tests/fixtures").display(),
+        prompts = repo.join("tests/fixtures/prompts.jsonl").display(),
+    );
+    let path = dir.join("toy.toml");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+const DIGIT_REWARD: &str = "[[rewards]]\nplugin = \"toy_plugins:DigitSum\"\n";
+
+fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+#[test]
+fn version_prints() {
+    let out = rollout(&["--version"], &repo());
+    assert!(out.status.success());
+    assert!(stdout(&out).starts_with("rollout "));
+}
+
+#[test]
+fn malformed_toml_names_line_and_column() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = write(tmp.path(), "bad.toml", "[run]\nname = \"x\"\nsteps = = 3\n");
+    let out = rollout(&["check", path.to_str().unwrap()], tmp.path());
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(err.contains("bad.toml:3:"), "{err}");
+    assert_eq!(
+        err.trim().lines().count(),
+        1,
+        "one-line reason expected: {err}"
+    );
+}
+
+#[test]
+fn unknown_key_suggests_the_right_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = toy_config(tmp.path(), DIGIT_REWARD, "");
+    let text = std::fs::read_to_string(&config)
+        .unwrap()
+        .replace("group_size = 3", "group_sise = 3");
+    std::fs::write(&config, text).unwrap();
+    let out = rollout(&["check", config.to_str().unwrap()], tmp.path());
+    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert!(err.contains("toy.toml:18:1"), "{err}");
+    assert!(err.contains("unknown field `group_sise`"), "{err}");
+    assert!(err.contains("did you mean `group_size`?"), "{err}");
+}
+
+#[test]
+fn unknown_table_and_wrong_type_are_located() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = toy_config(tmp.path(), DIGIT_REWARD, "[trainer]\nsteps = 1\n");
+    let out = rollout(&["check", config.to_str().unwrap()], tmp.path());
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("did you mean `train`?"),
+        "{}",
+        stderr(&out)
+    );
+
+    let config = toy_config(tmp.path(), DIGIT_REWARD, "");
+    let text = std::fs::read_to_string(&config)
+        .unwrap()
+        .replace("group_size = 3", "group_size = \"three\"");
+    std::fs::write(&config, text).unwrap();
+    let out = rollout(&["check", config.to_str().unwrap()], tmp.path());
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("toy.toml:18:"), "{}", stderr(&out));
+}
+
+#[test]
+fn impossible_values_are_located() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = toy_config(tmp.path(), DIGIT_REWARD, "");
+    let text = std::fs::read_to_string(&config)
+        .unwrap()
+        .replace("group_size = 3", "group_size = 1");
+    std::fs::write(&config, text).unwrap();
+    let out = rollout(&["check", config.to_str().unwrap()], tmp.path());
+    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert!(
+        err.contains("toy.toml:18:1: `rollout.group_size`: must be at least 2"),
+        "{err}"
+    );
+}
+
+#[test]
+fn missing_config_file_is_a_clear_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = rollout(&["run", "nope.toml"], tmp.path());
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("cannot read config nope.toml"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
+fn overrides_apply_and_are_checked() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = toy_config(tmp.path(), DIGIT_REWARD, "");
+    let path = config.to_str().unwrap();
+    let out = rollout(
+        &["check", path, "--set", "rollout.group_sise=4"],
+        tmp.path(),
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("did you mean `group_size`?"),
+        "{}",
+        stderr(&out)
+    );
+
+    let out = rollout(
+        &["check", path, "--set", "rollout.group_size=1"],
+        tmp.path(),
+    );
+    assert!(
+        stderr(&out).contains("--set rollout.group_size"),
+        "{}",
+        stderr(&out)
+    );
+
+    let out = rollout(
+        &["check", path, "--set", "rollout.prompts_per_step=5"],
+        tmp.path(),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stdout(&out).contains("5 prompts x 3 completions"),
+        "{}",
+        stdout(&out)
+    );
+}
+
+#[test]
+fn check_reports_every_plugin() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = toy_config(tmp.path(), DIGIT_REWARD, "");
+    let out = rollout(&["check", config.to_str().unwrap()], tmp.path());
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(text.contains("config OK"), "{text}");
+    assert!(text.contains("6 records"), "{text}");
+    assert!(text.contains("digit_sum x 1"), "{text}");
+}
+
+#[test]
+fn plugin_that_fails_to_import_names_plugin_hook_and_traceback() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = toy_config(
+        tmp.path(),
+        "[[rewards]]\nplugin = \"broken_import:Thing\"\n",
+        "",
+    );
+    let out = rollout(&["check", config.to_str().unwrap()], tmp.path());
+    assert_eq!(out.status.code(), Some(1));
+    let err = stderr(&out);
+    let first = err.lines().next().unwrap_or_default();
+    assert!(first.contains("plugin `broken_import:Thing`"), "{err}");
+    assert!(first.contains("toy.toml:"), "{err}");
+    assert!(
+        first.contains("failed in `load`: RuntimeError: this module cannot be imported on purpose"),
+        "{err}"
+    );
+    assert!(err.contains("Traceback (most recent call last)"), "{err}");
+    assert!(err.contains("broken_import.py"), "{err}");
+}
+
+#[test]
+fn missing_module_and_wrong_class_are_reported() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = toy_config(
+        tmp.path(),
+        "[[rewards]]\nplugin = \"no_such_module:Reward\"\n",
+        "",
+    );
+    let out = rollout(&["check", config.to_str().unwrap()], tmp.path());
+    assert!(
+        stderr(&out).contains("ModuleNotFoundError"),
+        "{}",
+        stderr(&out)
+    );
+
+    let config = toy_config(
+        tmp.path(),
+        "[[rewards]]\nplugin = \"toy_plugins:NotAPlugin\"\n",
+        "",
+    );
+    let out = rollout(&["check", config.to_str().unwrap()], tmp.path());
+    assert!(
+        stderr(&out).contains("is not a subclass of rollout_sdk.Reward"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+#[test]
+fn plugin_option_errors_point_into_the_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let reward =
+        "[[rewards]]\nplugin = \"toy_plugins:StrictReward\"\n[rewards.options]\nthreshhold = 0.3\n";
+    let config = toy_config(tmp.path(), reward, "");
+    let out = rollout(&["check", config.to_str().unwrap()], tmp.path());
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(err.contains("toy.toml:26:1"), "{err}");
+    assert!(err.contains("did you mean `threshold`?"), "{err}");
+    assert!(err.contains("toy_plugins:StrictReward"), "{err}");
+
+    let reward =
+        "[[rewards]]\nplugin = \"toy_plugins:StrictReward\"\noptions = { threshold = \"high\" }\n";
+    let config = toy_config(tmp.path(), reward, "");
+    let out = rollout(&["check", config.to_str().unwrap()], tmp.path());
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(
+        stderr(&out).contains("expected a number"),
+        "{}",
+        stderr(&out)
+    );
+}
+
+fn run_fails_with(reward_class: &str, expected: &str) {
+    let tmp = tempfile::tempdir().unwrap();
+    let reward = format!("[[rewards]]\nplugin = \"toy_plugins:{reward_class}\"\n");
+    let config = toy_config(tmp.path(), &reward, "");
+    let out = rollout(&["run", config.to_str().unwrap()], tmp.path());
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains(&format!("plugin `toy_plugins:{reward_class}`")),
+        "{err}"
+    );
+    assert!(err.contains("failed in `score`"), "{err}");
+    assert!(err.contains(expected), "{err}");
+    // Nothing half-written is left as a checkpoint.
+    let checkpoints = tmp.path().join("out/checkpoints");
+    assert!(!checkpoints.exists() || std::fs::read_dir(&checkpoints).unwrap().count() == 0);
+}
+
+#[test]
+fn reward_that_raises_fails_the_run_with_traceback() {
+    run_fails_with("RaisingReward", "ValueError: reward exploded on purpose");
+    run_fails_with("RaisingReward", "Traceback (most recent call last)");
+    run_fails_with("RaisingReward", "in score\n    raise ValueError");
+}
+
+#[test]
+fn reward_with_wrong_count_is_rejected() {
+    run_fails_with("WrongCountReward", "returned 5 scores for 6 samples");
+}
+
+#[test]
+fn reward_returning_nan_is_rejected() {
+    run_fails_with(
+        "NanReward",
+        "returned NaN for sample 0; rewards must be finite",
+    );
+}
+
+fn metric_lines(dir: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(dir.join("out/metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap())
+        .collect()
+}
+
+#[test]
+fn toy_run_writes_metrics_checkpoints_and_resumes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = toy_config(tmp.path(), DIGIT_REWARD, "[checkpoint]\nevery = 2\n");
+    let path = config.to_str().unwrap();
+    let out = rollout(&["run", path], tmp.path());
+    assert!(out.status.success(), "{}", stderr(&out));
+    let lines = metric_lines(tmp.path());
+    assert_eq!(lines.len(), 3);
+    for key in [
+        "step",
+        "reward_mean",
+        "loss",
+        "completions",
+        "generated_tokens",
+        "step_seconds",
+        "samples_per_second",
+        "weight_version",
+    ] {
+        assert!(
+            lines.iter().all(|l| l.get(key).is_some()),
+            "missing {key}: {lines:?}"
+        );
+    }
+    assert_eq!(lines[2]["completions"], 6);
+    assert_eq!(lines[2]["weight_version"], 3);
+    assert!(stdout(&out).contains("done: 3 steps"), "{}", stdout(&out));
+
+    // Starting again over the same output refuses to clobber it.
+    let again = rollout(&["run", path], tmp.path());
+    assert_eq!(again.status.code(), Some(1));
+    assert!(stderr(&again).contains("--resume"), "{}", stderr(&again));
+
+    // Resume with more steps continues from step 3 and reproduces nothing twice.
+    let out = rollout(
+        &["run", path, "--resume", "--set", "run.steps=5"],
+        tmp.path(),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let resumed = metric_lines(tmp.path());
+    let steps: Vec<u64> = resumed
+        .iter()
+        .map(|l| l["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(steps, [1, 2, 3, 4, 5]);
+    assert_eq!(resumed[4]["weight_version"], 5);
+}
+
+#[test]
+fn resumed_run_matches_an_uninterrupted_one() {
+    let straight = tempfile::tempdir().unwrap();
+    let config = toy_config(straight.path(), DIGIT_REWARD, "[checkpoint]\nevery = 2\n");
+    let out = rollout(
+        &["run", config.to_str().unwrap(), "--set", "run.steps=4"],
+        straight.path(),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+
+    let split = tempfile::tempdir().unwrap();
+    let config = toy_config(split.path(), DIGIT_REWARD, "[checkpoint]\nevery = 2\n");
+    let path = config.to_str().unwrap();
+    let out = rollout(&["run", path, "--set", "run.steps=2"], split.path());
+    assert!(out.status.success(), "{}", stderr(&out));
+    let out = rollout(
+        &["run", path, "--resume", "--set", "run.steps=4"],
+        split.path(),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+
+    let strip = |lines: Vec<serde_json::Value>| -> Vec<(f64, f64, u64)> {
+        lines
+            .iter()
+            .map(|l| {
+                (
+                    l["reward_mean"].as_f64().unwrap(),
+                    l["loss"].as_f64().unwrap(),
+                    l["generated_tokens"].as_u64().unwrap(),
+                )
+            })
+            .collect()
+    };
+    assert_eq!(
+        strip(metric_lines(straight.path())),
+        strip(metric_lines(split.path()))
+    );
+}
