@@ -21,8 +21,13 @@ class Policy(Plugin):
     calls (gradient accumulation over micro-batches) followed by one ``apply_update``.
     """
 
-    def encode(self, texts: Sequence[str]) -> list[list[int]]:
-        """Tokenise prompts or observations (no special tokens beyond what the model needs)."""
+    def encode(self, texts: Sequence[str], *, continuation: bool = False) -> list[list[int]]:
+        """Tokenise texts without adding an end-of-sequence token.
+
+        A prompt (``continuation=False``) starts a sequence and gets whatever prefix the model
+        expects (e.g. a BOS token); a continuation (an environment's observation appended to
+        an episode's context) gets no prefix.
+        """
         raise NotImplementedError
 
     def decode(self, token_ids: Sequence[Sequence[int]]) -> list[str]:
@@ -50,8 +55,12 @@ class Policy(Plugin):
         """
         raise NotImplementedError
 
-    def apply_update(self) -> Mapping[str, float]:
-        """Apply the accumulated gradients (clipping, optimizer step) and clear them."""
+    def apply_update(self, learning_rate: float) -> Mapping[str, float]:
+        """Apply the accumulated gradients with ``learning_rate`` and clear them.
+
+        The engine owns the schedule (warm-up, SFT vs RL rates) and passes the rate of every
+        update. Returns update metrics such as ``grad_norm``.
+        """
         raise NotImplementedError
 
     def export_weights(self) -> dict[str, np.ndarray]:

@@ -166,7 +166,7 @@ def check_policy(
     )
     metrics = policy.train_step(train)
     _require(math.isfinite(float(metrics["loss"])), f"train_step returned a non-finite loss: {metrics}")
-    policy.apply_update()
+    policy.apply_update(1e-3)
     after = policy.export_weights()
     _require(set(before) == set(after), "export_weights names changed after an update")
     _require(any(not np.array_equal(before[k], after[k]) for k in before), "apply_update changed no weight")

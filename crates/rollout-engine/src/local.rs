@@ -164,12 +164,12 @@ impl Learner for LocalRoles {
 }
 
 impl Tokenizer for LocalRoles {
-    fn encode(&self, texts: Vec<String>) -> RoleFuture<'_, Vec<Vec<u32>>> {
+    fn encode(&self, texts: Vec<String>, continuation: bool) -> RoleFuture<'_, Vec<Vec<u32>>> {
         let policy = self.policy.clone();
         boxed(async move {
             Ok(self
                 .worker
-                .run(move |py| policy.encode(py, &texts))
+                .run(move |py| policy.encode(py, &texts, continuation))
                 .await??)
         })
     }

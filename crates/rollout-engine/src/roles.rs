@@ -47,7 +47,8 @@ pub trait Learner: Send + Sync {
 }
 
 pub trait Tokenizer: Send + Sync {
-    fn encode(&self, texts: Vec<String>) -> RoleFuture<'_, Vec<Vec<u32>>>;
+    /// Tokenises prompts, or (`continuation`) text that extends an existing context.
+    fn encode(&self, texts: Vec<String>, continuation: bool) -> RoleFuture<'_, Vec<Vec<u32>>>;
     fn decode(&self, sequences: Vec<Vec<u32>>) -> RoleFuture<'_, Vec<String>>;
     fn eos_token_ids(&self) -> RoleFuture<'_, Vec<u32>>;
 }

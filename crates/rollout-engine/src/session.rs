@@ -47,11 +47,26 @@ impl Session {
         })
     }
 
+    fn roles(&self) -> Roles<'_> {
+        Roles {
+            generator: &self.roles,
+            scorer: &self.roles,
+            learner: &self.roles,
+            tokenizer: &self.roles,
+            environments: if self.roles.has_environment() {
+                Some(&self.roles)
+            } else {
+                None
+            },
+            observer: &self.roles,
+        }
+    }
+
     /// What `rollout check` prints: every plugin loaded and the data read and tokenised.
     pub async fn report(&self) -> Result<String, SessionError> {
         let config = &self.loaded.config;
         let prompts: Vec<String> = self.records.iter().map(|r| r.prompt.clone()).collect();
-        let encoded = self.roles.encode(prompts).await?;
+        let encoded = self.roles.encode(prompts, false).await?;
         let longest = encoded.iter().map(Vec::len).max().unwrap_or(0);
         if let Some(sft) = &config.sft {
             if let Some(index) = self
@@ -99,6 +114,22 @@ impl Session {
             ));
         }
         lines.push(format!("  callbacks    {}", config.callbacks.len()));
+        let dry_run = Controller::new(
+            config,
+            self.roles(),
+            self.records.clone(),
+            Arc::new(AtomicBool::new(false)),
+        )
+        .dry_run()
+        .await?;
+        let reward_mean = dry_run.rewards.iter().sum::<f64>() / dry_run.rewards.len().max(1) as f64;
+        lines.push(format!(
+            "  sampled      {} completions of the first prompt ({} tokens, {:.1}s), reward mean {reward_mean:.3}, e.g. {:?}",
+            dry_run.completions.len(),
+            dry_run.generated_tokens,
+            dry_run.seconds,
+            dry_run.completions.first().map(String::as_str).unwrap_or_default(),
+        ));
         lines.push(format!(
             "  per step     {} prompts x {} completions, up to {} new tokens each",
             config.rollout.prompts_per_step,
@@ -114,20 +145,9 @@ impl Session {
         start: Start,
         interrupted: Arc<AtomicBool>,
     ) -> Result<Summary, SessionError> {
-        let roles = Roles {
-            generator: &self.roles,
-            scorer: &self.roles,
-            learner: &self.roles,
-            tokenizer: &self.roles,
-            environments: if self.roles.has_environment() {
-                Some(&self.roles)
-            } else {
-                None
-            },
-            observer: &self.roles,
-        };
         let config = &self.loaded.config;
-        let mut controller = Controller::new(config, roles, self.records.clone(), interrupted);
+        let mut controller =
+            Controller::new(config, self.roles(), self.records.clone(), interrupted);
         let result = controller.run(start).await;
         controller.finish(result.as_ref().ok()).await;
         Ok(result?)

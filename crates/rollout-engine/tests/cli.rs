@@ -309,6 +309,35 @@ fn run_fails_with(reward_class: &str, expected: &str) {
 }
 
 #[test]
+fn check_samples_and_scores_one_group_to_catch_broken_rewards() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = toy_config(
+        tmp.path(),
+        "[[rewards]]\nplugin = \"toy_plugins:WrongCountReward\"\n",
+        "",
+    );
+    let out = rollout(&["check", config.to_str().unwrap()], tmp.path());
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        stderr(&out).contains("returned 2 scores for 3 samples"),
+        "{}",
+        stderr(&out)
+    );
+    assert!(
+        !tmp.path().join("out").exists(),
+        "check must not create the run's output"
+    );
+
+    let config = toy_config(tmp.path(), DIGIT_REWARD, "");
+    let out = rollout(&["check", config.to_str().unwrap()], tmp.path());
+    assert!(
+        stdout(&out).contains("sampled      3 completions of the first prompt"),
+        "{}",
+        stdout(&out)
+    );
+}
+
+#[test]
 fn reward_that_raises_fails_the_run_with_traceback() {
     run_fails_with("RaisingReward", "ValueError: reward exploded on purpose");
     run_fails_with("RaisingReward", "Traceback (most recent call last)");

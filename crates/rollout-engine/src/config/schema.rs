@@ -44,6 +44,9 @@ pub struct RunConfig {
     pub seed: u64,
     /// Number of RL steps (one generation batch and one optimizer update each).
     pub steps: u64,
+    /// Samples of every step written to `samples.jsonl` (text, tokens, reward, advantage);
+    /// 0 writes none.
+    pub log_samples: usize,
 }
 
 impl Default for RunConfig {
@@ -53,6 +56,7 @@ impl Default for RunConfig {
             output_dir: PathBuf::from("runs/rollout"),
             seed: 0,
             steps: 100,
+            log_samples: 0,
         }
     }
 }

@@ -43,9 +43,24 @@ impl PolicyPlugin {
         &self.plugin.spec
     }
 
-    pub fn encode(&self, py: Python<'_>, texts: &[String]) -> Result<Vec<Vec<u32>>, PluginError> {
+    /// Tokenises prompts, or with `continuation` text appended to an existing context.
+    pub fn encode(
+        &self,
+        py: Python<'_>,
+        texts: &[String],
+        continuation: bool,
+    ) -> Result<Vec<Vec<u32>>, PluginError> {
         let hook = "encode";
-        let result = self.plugin.call(py, hook, (texts.to_vec(),))?;
+        let kwargs = PyDict::new(py);
+        kwargs
+            .set_item("continuation", continuation)
+            .map_err(|err| self.plugin.raised(py, hook, &err))?;
+        let result = self
+            .plugin
+            .object
+            .bind(py)
+            .call_method(hook, (texts.to_vec(),), Some(&kwargs))
+            .map_err(|err| self.plugin.raised(py, hook, &err))?;
         let ids: Vec<Vec<i64>> = result.extract().map_err(|_| {
             self.plugin
                 .bad_return(hook, "must return a list of lists of int")
@@ -264,6 +279,10 @@ impl PolicyPlugin {
             for (name, value) in metrics {
                 *sums.entry(name).or_default() += value * tokens;
             }
+        }
+        if request.micro_batches.is_empty() {
+            // Every sequence had a zero advantage: the loss, and its gradient, are exactly 0.
+            sums.insert("loss".into(), 0.0);
         }
         let mut metrics: BTreeMap<String, f64> = sums
             .into_iter()

@@ -97,11 +97,34 @@ pub struct Summary {
 /// Steps averaged at each end of the run for the summary.
 const SUMMARY_WINDOW: usize = 10;
 
+/// A step's samples with their rewards and advantages.
+struct Collected {
+    trajectories: Vec<Trajectory>,
+    completions: Vec<String>,
+    rewards: Vec<f64>,
+    components: Vec<rollout_net::messages::RewardComponent>,
+    advantages: Vec<f64>,
+    zero_std_groups: usize,
+    generate_seconds: f64,
+    score_seconds: f64,
+}
+
+/// What `rollout check` samples: one group of the first prompt, scored.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DryRun {
+    pub completions: Vec<String>,
+    pub rewards: Vec<f64>,
+    pub generated_tokens: usize,
+    pub seconds: f64,
+}
+
 /// One sampled episode, token-exact: everything the policy generated and the context around.
 #[derive(Debug, Clone)]
 struct Trajectory {
     group: usize,
     record: usize,
+    /// The episode's first prompt when an environment wrote it (else the record's prompt).
+    episode_prompt: Option<String>,
     tokens: Vec<u32>,
     loss_mask: Vec<bool>,
     logprobs: Vec<f32>,
@@ -112,6 +135,12 @@ struct Trajectory {
 }
 
 impl Trajectory {
+    fn prompt<'r>(&'r self, records: &'r [Record]) -> &'r str {
+        self.episode_prompt
+            .as_deref()
+            .unwrap_or(&records[self.record].prompt)
+    }
+
     fn generated_tokens(&self) -> usize {
         self.loss_mask.iter().filter(|&&m| m).count()
     }
@@ -168,10 +197,22 @@ impl<'a> Controller<'a> {
             resumed.then_some(self.state.step),
         )
         .map_err(|source| io_error("cannot open", &self.output("metrics.jsonl"), source))?;
+        let mut samples = if self.config.run.log_samples > 0 {
+            let path = self.output("samples.jsonl");
+            Some(
+                MetricsLog::open(&path, resumed.then_some(self.state.step))
+                    .map_err(|source| io_error("cannot open", &path, source))?,
+            )
+        } else {
+            None
+        };
         self.prompt_ids = self
             .roles
             .tokenizer
-            .encode(self.records.iter().map(|r| r.prompt.clone()).collect())
+            .encode(
+                self.records.iter().map(|r| r.prompt.clone()).collect(),
+                false,
+            )
             .await?;
         self.roles
             .observer
@@ -200,7 +241,14 @@ impl<'a> Controller<'a> {
         );
         while self.state.step < self.config.run.steps && !self.stopping() {
             let step = self.state.step + 1;
-            let line = self.rl_step(step, &mut cursor).await?;
+            let (line, logged) = self.rl_step(step, &mut cursor).await?;
+            if let Some(samples) = samples.as_mut() {
+                for sample in &logged {
+                    samples
+                        .append(sample)
+                        .map_err(|source| io_error("cannot write", samples.path(), source))?;
+                }
+            }
             self.state.step = step;
             self.state.data = cursor.position();
             if let Some(reward) = line.get("reward_mean").and_then(Value::as_f64) {
@@ -244,6 +292,7 @@ impl<'a> Controller<'a> {
             "metrics.jsonl",
             "checkpoints",
             "sft_metrics.jsonl",
+            "samples.jsonl",
             "summary.json",
         ]
         .into_iter()
@@ -343,7 +392,7 @@ impl<'a> Controller<'a> {
                 }
             }
         }
-        let mut completions = self.roles.tokenizer.encode(targets).await?;
+        let mut completions = self.roles.tokenizer.encode(targets, true).await?;
         if sft.append_eos {
             let eos = self.roles.tokenizer.eos_token_ids().await?;
             let Some(&eos) = eos.first() else {
@@ -437,14 +486,12 @@ impl<'a> Controller<'a> {
         }
     }
 
-    async fn rl_step(&mut self, step: u64, cursor: &mut DataCursor) -> Result<Value, RunError> {
+    /// Generates, scores and computes advantages for `records` (one group each).
+    async fn collect(&self, records: &[usize], seed: u64) -> Result<Collected, RunError> {
         let started = Instant::now();
-        let rollout = &self.config.rollout;
-        let records = cursor.take(rollout.prompts_per_step);
-        let seed = mix(self.config.run.seed, 1000 + step);
         let trajectories = match self.roles.environments {
-            Some(environments) => self.run_episodes(environments, &records, seed).await?,
-            None => self.sample_completions(&records, seed).await?,
+            Some(environments) => self.run_episodes(environments, records, seed).await?,
+            None => self.sample_completions(records, seed).await?,
         };
         let generate_seconds = started.elapsed().as_secs_f64();
 
@@ -461,10 +508,10 @@ impl<'a> Controller<'a> {
             .await?;
         let samples = trajectories
             .iter()
-            .zip(completions)
+            .zip(&completions)
             .map(|(trajectory, completion)| ScoreSample {
-                prompt: self.records[trajectory.record].prompt.clone(),
-                completion,
+                prompt: trajectory.prompt(&self.records).to_owned(),
+                completion: completion.clone(),
                 record: self.records[trajectory.record].fields.clone(),
                 finish_reason: trajectory.finish_reason,
             })
@@ -496,6 +543,60 @@ impl<'a> Controller<'a> {
                 advantages[i] = advantage;
             }
         }
+        Ok(Collected {
+            trajectories,
+            completions,
+            rewards,
+            components: scores.components,
+            advantages,
+            zero_std_groups,
+            generate_seconds,
+            score_seconds,
+        })
+    }
+
+    /// Samples and scores the first prompt's group without training, for `rollout check`.
+    pub async fn dry_run(&mut self) -> Result<DryRun, RunError> {
+        self.prompt_ids = self
+            .roles
+            .tokenizer
+            .encode(vec![self.records[0].prompt.clone()], false)
+            .await?;
+        let collected = self.collect(&[0], mix(self.config.run.seed, 999)).await?;
+        let generated_tokens = collected
+            .trajectories
+            .iter()
+            .map(Trajectory::generated_tokens)
+            .sum();
+        Ok(DryRun {
+            completions: collected.completions,
+            rewards: collected.rewards,
+            generated_tokens,
+            seconds: collected.generate_seconds + collected.score_seconds,
+        })
+    }
+
+    /// One RL step; returns its metrics line and the samples to log.
+    async fn rl_step(
+        &mut self,
+        step: u64,
+        cursor: &mut DataCursor,
+    ) -> Result<(Value, Vec<Value>), RunError> {
+        let started = Instant::now();
+        let rollout = &self.config.rollout;
+        let records = cursor.take(rollout.prompts_per_step);
+        let seed = mix(self.config.run.seed, 1000 + step);
+        let Collected {
+            trajectories,
+            completions,
+            rewards,
+            components,
+            advantages,
+            zero_std_groups,
+            generate_seconds,
+            score_seconds,
+        } = self.collect(&records, seed).await?;
+        let algorithm = &self.config.algorithm;
 
         let training = Instant::now();
         let sequences: Vec<TrainSequence> = trajectories
@@ -548,7 +649,7 @@ impl<'a> Controller<'a> {
         line.insert("step".into(), json!(step));
         line.insert("reward_mean".into(), json!(mean(&rewards)));
         line.insert("reward_std".into(), json!(std_dev(&rewards)));
-        for component in &scores.components {
+        for component in &components {
             line.insert(
                 format!("reward/{}", component.name),
                 json!(mean(&component.scores)),
@@ -610,7 +711,27 @@ impl<'a> Controller<'a> {
         line.insert("generation_weight_version".into(), json!(sampled_with));
         line.insert("weight_version".into(), json!(response.weight_version));
         line.insert("epoch".into(), json!(cursor.position().epoch));
-        Ok(Value::Object(line))
+        let logged = trajectories
+            .iter()
+            .zip(completions)
+            .take(self.config.run.log_samples)
+            .zip(rewards.iter().zip(&advantages))
+            .map(|((trajectory, completion), (reward, advantage))| {
+                json!({
+                    "step": step,
+                    "group": trajectory.group,
+                    "prompt": trajectory.prompt(&self.records),
+                    "completion": completion,
+                    "reward": reward,
+                    "advantage": advantage,
+                    "finish_reason": trajectory.finish_reason,
+                    "weight_version": trajectory.weight_version,
+                    "tokens": trajectory.tokens,
+                    "generated": trajectory.loss_mask,
+                })
+            })
+            .collect();
+        Ok((Value::Object(line), logged))
     }
 
     /// Linear warm-up over `train.warmup_steps` RL updates, then constant.
@@ -652,6 +773,7 @@ impl<'a> Controller<'a> {
                 trajectories.push(Trajectory {
                     group,
                     record,
+                    episode_prompt: None,
                     loss_mask: (0..tokens.len()).map(|t| t >= prompt.len()).collect(),
                     tokens,
                     logprobs,
@@ -693,13 +815,15 @@ impl<'a> Controller<'a> {
             .map(|i| first_id.wrapping_add(i))
             .collect();
         let prompts = environments.start(first_id, starts).await?;
-        let prompt_ids = self.roles.tokenizer.encode(prompts).await?;
+        let prompt_ids = self.roles.tokenizer.encode(prompts.clone(), false).await?;
         let mut trajectories: Vec<Trajectory> = prompt_ids
             .into_iter()
+            .zip(prompts)
             .enumerate()
-            .map(|(index, tokens)| Trajectory {
+            .map(|(index, (tokens, prompt))| Trajectory {
                 group: index / group_size,
                 record: records[index / group_size],
+                episode_prompt: Some(prompt),
                 loss_mask: vec![false; tokens.len()],
                 logprobs: vec![0.0; tokens.len()],
                 prompt_len: tokens.len(),
@@ -755,7 +879,10 @@ impl<'a> Controller<'a> {
                         still_live.push(i);
                     }
                 }
-                let observation_ids = self.roles.tokenizer.encode(observations).await?;
+                if still_live.is_empty() {
+                    break;
+                }
+                let observation_ids = self.roles.tokenizer.encode(observations, true).await?;
                 for (&i, tokens) in still_live.iter().zip(observation_ids) {
                     let trajectory = &mut trajectories[i];
                     trajectory

@@ -1,0 +1,344 @@
+"""A policy backed by any local Hugging Face causal language model directory."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers.utils import logging as transformers_logging
+
+from python_plugins.checkpoint_io import load_optimizer, save_optimizer
+from python_plugins.sampling import select_tokens
+from rollout_sdk import (
+    Generation,
+    GenerationRequest,
+    GrpoObjective,
+    Policy,
+    SamplingParams,
+    TokenBatch,
+    TrainBatch,
+)
+from rollout_sdk.objectives import objective_loss, token_logprobs
+
+__all__ = ["HFCausalLM"]
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class HFCausalLM(Policy):
+    """Generation with a KV cache, teacher-forced logprobs and AdamW training of one HF model."""
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config:
+        model_path: str
+        # Frozen reference for the KL term; defaults to `model_path`. Always the original
+        # weights, also after resuming from a checkpoint.
+        reference_model_path: str | None = None
+        dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+        device: str = "cpu"
+        weight_decay: float = 0.0
+        adam_betas: tuple[float, float] = (0.9, 0.999)
+        adam_eps: float = 1e-8
+        # 0 disables clipping (the gradient norm is still reported).
+        max_grad_norm: float = 1.0
+        gradient_checkpointing: bool = False
+        # 0 keeps torch's default number of CPU threads.
+        torch_threads: int = 0
+
+        def __post_init__(self) -> None:
+            for name in ("weight_decay", "adam_eps", "max_grad_norm", "torch_threads"):
+                if getattr(self, name) < 0:
+                    raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
+
+    def __init__(self, config: Config) -> None:
+        super().__init__(config)
+        # Progress bars for loading and saving shards would interleave with the run's log.
+        transformers_logging.disable_progress_bar()
+        if config.torch_threads > 0:
+            torch.set_num_threads(config.torch_threads)
+        self.device = _resolve_device(config.device)
+        self.dtype = TORCH_DTYPES[config.dtype]
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+        self.model = self._load_model(config.model_path)
+        if config.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.reference: PreTrainedModel | None = None
+        self.trainable = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
+        # The engine passes the learning rate of every update to `apply_update`.
+        self.optimizer = torch.optim.AdamW(
+            [p for _, p in self.trainable],
+            lr=0.0,
+            betas=config.adam_betas,
+            eps=config.adam_eps,
+            weight_decay=config.weight_decay,
+        )
+        self.bos_prefix = _default_bos_prefix(self.tokenizer)
+        self.eos_ids = self._find_eos_token_ids()
+        self.pad_id = _first_not_none(self.tokenizer.pad_token_id, *self.eos_ids, 0)
+        self.keeps_last_logits_only = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+
+    def _load_model(self, path: str) -> PreTrainedModel:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
+        return model.to(self.device)
+
+    def _find_eos_token_ids(self) -> list[int]:
+        candidates = [
+            getattr(self.model.generation_config, "eos_token_id", None),
+            self.tokenizer.eos_token_id,
+        ]
+        ids: list[int] = []
+        for value in candidates:
+            for token in value if isinstance(value, (list, tuple)) else [value]:
+                if token is not None and int(token) not in ids:
+                    ids.append(int(token))
+        return ids
+
+    # Text
+
+    def encode(self, texts: Sequence[str], *, continuation: bool = False) -> list[list[int]]:
+        """Tokenise without special tokens, except the leading BOS a tokenizer adds by default.
+
+        Tokenizers that put a BOS in front of every text (Llama's, for one) get it on prompts,
+        because their models expect it, but not on continuations; an EOS is never added.
+        """
+        if not texts:
+            return []
+        encoded = self.tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+        prefix = [] if continuation else self.bos_prefix
+        return [prefix + list(ids) for ids in encoded]
+
+    def decode(self, token_ids: Sequence[Sequence[int]]) -> list[str]:
+        return self.tokenizer.batch_decode(
+            [list(map(int, ids)) for ids in token_ids], skip_special_tokens=True
+        )
+
+    def eos_token_ids(self) -> list[int]:
+        return list(self.eos_ids)
+
+    # Generation and scoring
+
+    @torch.inference_mode()
+    def generate(
+        self, requests: Sequence[GenerationRequest], params: SamplingParams
+    ) -> list[list[Generation]]:
+        """Sample every request ``n`` times in one left-padded batch, reusing the KV cache."""
+        prompts = [[int(t) for t in request.prompt_ids] for request in requests for _ in range(request.n)]
+        if not prompts:
+            return [[] for _ in requests]
+        if any(len(prompt) == 0 for prompt in prompts):
+            raise ValueError("cannot generate from an empty prompt")
+        self.model.eval()
+        input_ids, attention_mask = self._left_padded(prompts)
+        positions = (attention_mask.cumsum(-1) - 1).clamp_min(0)
+        rows = len(prompts)
+        stop_ids = torch.tensor(
+            sorted({*self.eos_ids, *params.stop_token_ids}), dtype=torch.long, device=self.device
+        )
+        generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        tokens = torch.full((rows, params.max_new_tokens), self.pad_id, dtype=torch.long, device=self.device)
+        logprobs = torch.zeros((rows, params.max_new_tokens), dtype=torch.float32, device=self.device)
+        lengths = torch.zeros(rows, dtype=torch.long, device=self.device)
+        stopped = torch.zeros(rows, dtype=torch.bool, device=self.device)
+        cache = None
+        for step in range(params.max_new_tokens):
+            output = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+                **({"logits_to_keep": 1} if self.keeps_last_logits_only else {}),
+            )
+            cache = output.past_key_values
+            chosen, chosen_logprobs = select_tokens(output.logits[:, -1], params, generator)
+            active = ~stopped
+            chosen = torch.where(active, chosen, self.pad_id)
+            tokens[:, step] = chosen
+            logprobs[:, step] = chosen_logprobs
+            lengths += active.long()
+            stopped |= active & torch.isin(chosen, stop_ids)
+            if bool(stopped.all()):
+                break
+            input_ids = chosen.unsqueeze(-1)
+            positions = positions[:, -1:] + 1
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones((rows, 1))], dim=-1)
+        generations = [
+            Generation(
+                token_ids=tokens[row, :length].cpu().numpy().astype(np.int64),
+                logprobs=logprobs[row, :length].cpu().numpy().astype(np.float32),
+                finish_reason="stop" if bool(stopped[row]) else "length",
+            )
+            for row, length in enumerate(lengths.tolist())
+        ]
+        groups: list[list[Generation]] = []
+        for request in requests:
+            groups.append(generations[: request.n])
+            generations = generations[request.n :]
+        return groups
+
+    def _left_padded(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(prompt) for prompt in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+            attention_mask[row, width - len(prompt) :] = 1
+        return input_ids.to(self.device), attention_mask.to(self.device)
+
+    @torch.inference_mode()
+    def logprobs(self, batch: TokenBatch) -> np.ndarray:
+        self.model.eval()
+        input_ids, attention_mask = self._as_tensors(batch.input_ids, batch.attention_mask)
+        result = self._token_logprobs(self.model, input_ids, attention_mask, batch.temperature)
+        return (result * attention_mask).cpu().numpy().astype(np.float32)
+
+    def _as_tensors(
+        self, input_ids: np.ndarray, attention_mask: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # torch.tensor copies, so read-only arrays from the engine are fine.
+        return (
+            torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            torch.tensor(attention_mask, dtype=torch.long, device=self.device),
+        )
+
+    @staticmethod
+    def _token_logprobs(
+        model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float
+    ) -> torch.Tensor:
+        positions = (attention_mask.cumsum(-1) - 1).clamp_min(0)
+        logits = model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False
+        ).logits
+        return token_logprobs(logits, input_ids, temperature)
+
+    # Training
+
+    def train_step(self, batch: TrainBatch) -> Mapping[str, float]:
+        objective = batch.objective
+        temperature = objective.temperature if isinstance(objective, GrpoObjective) else 1.0
+        self.model.train()
+        input_ids, attention_mask = self._as_tensors(batch.input_ids, batch.attention_mask)
+        logprobs = self._token_logprobs(self.model, input_ids, attention_mask, temperature)
+        ref_logprobs = None
+        if isinstance(objective, GrpoObjective) and objective.kl_coef > 0.0:
+            with torch.no_grad():
+                ref_logprobs = self._token_logprobs(self._reference(), input_ids, attention_mask, temperature)
+        output = objective_loss(logprobs, batch, ref_logprobs=ref_logprobs)
+        output.loss.backward()
+        return output.metrics
+
+    def _reference(self) -> PreTrainedModel:
+        if self.reference is None:
+            reference = self._load_model(self.config.reference_model_path or self.config.model_path)
+            self.reference = reference.eval().requires_grad_(False)
+        return self.reference
+
+    def apply_update(self, learning_rate: float) -> Mapping[str, float]:
+        if learning_rate < 0:
+            raise ValueError(f"learning_rate must not be negative, got {learning_rate}")
+        grads = [p.grad for _, p in self.trainable if p.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        if self.config.max_grad_norm > 0 and grads:
+            torch.nn.utils.clip_grads_with_norm_(
+                [p for _, p in self.trainable], self.config.max_grad_norm, grad_norm
+            )
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": float(grad_norm), "learning_rate": float(learning_rate)}
+
+    # Weights and checkpoints
+
+    def export_weights(self) -> dict[str, np.ndarray]:
+        """Copies of the trainable weights; bfloat16/float16 ones as float32 (NumPy has no bfloat16)."""
+        return {
+            name: p.detach().to("cpu", dtype=torch.float32, copy=True).numpy() for name, p in self.trainable
+        }
+
+    @torch.no_grad()
+    def import_weights(self, weights: Mapping[str, np.ndarray]) -> None:
+        params = dict(self.trainable)
+        unknown = sorted(set(weights) - set(params))
+        if unknown:
+            raise ValueError(f"import_weights: the model has no parameter `{unknown[0]}`")
+        missing = sorted(set(params) - set(weights))
+        if missing:
+            raise ValueError(f"import_weights: parameter `{missing[0]}` is missing")
+        for name, value in weights.items():
+            _check_shape(name, tuple(value.shape), tuple(params[name].shape), "import_weights")
+        for name, value in weights.items():
+            params[name].copy_(torch.tensor(np.asarray(value)))
+
+    def save(self, directory: str) -> None:
+        root = Path(directory)
+        self.model.save_pretrained(root / "model")
+        self.tokenizer.save_pretrained(root / "model")
+        save_optimizer(root, self.optimizer, [name for name, _ in self.trainable])
+
+    def load(self, directory: str) -> None:
+        root = Path(directory)
+        self._load_weights(root / "model")
+        load_optimizer(root, self.optimizer, [name for name, _ in self.trainable])
+
+    @torch.no_grad()
+    def _load_weights(self, model_dir: Path) -> None:
+        """Copy every tensor of ``model_dir/*.safetensors`` in; tied copies may be left out."""
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+        saved: dict[str, torch.Tensor] = {}
+        for file in files:
+            saved.update(load_file(str(file)))
+        current = self.model.state_dict()
+        unknown = sorted(set(saved) - set(current))
+        if unknown:
+            raise ValueError(f"{model_dir}: the model has no tensor `{unknown[0]}`")
+        loaded_storage = {current[name].data_ptr() for name in saved}
+        missing = [
+            name for name in current if name not in saved and current[name].data_ptr() not in loaded_storage
+        ]
+        if missing:
+            raise ValueError(f"{model_dir}: tensor `{missing[0]}` is missing")
+        for name, tensor in saved.items():
+            _check_shape(name, tuple(tensor.shape), tuple(current[name].shape), str(model_dir))
+        for name, tensor in saved.items():
+            current[name].copy_(tensor)
+
+    def describe(self) -> Mapping[str, Any]:
+        return {
+            "parameters": sum(p.numel() for p in self.model.parameters()),
+            "dtype": self.config.dtype,
+            "device": str(self.device),
+        }
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _default_bos_prefix(tokenizer: Any) -> list[int]:
+    """``[bos]`` when the tokenizer puts a BOS in front of texts by default, else ``[]``."""
+    bos = tokenizer.bos_token_id
+    with_specials = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return [bos] if bos is not None and with_specials[:1] == [bos] else []
+
+
+def _first_not_none(*values: int | None) -> int:
+    return next(int(v) for v in values if v is not None)
+
+
+def _check_shape(name: str, got: tuple[int, ...], expected: tuple[int, ...], where: str) -> None:
+    if got != expected:
+        raise ValueError(
+            f"{where}: tensor `{name}` has shape {list(got)}, the model expects {list(expected)}"
+        )
