@@ -85,7 +85,8 @@ def _coerce(value: Any, hint: Any, path: tuple[str, ...]) -> Any:
         if (origin or hint) is tuple and args and args[-1] is not Ellipsis:
             if len(value) != len(args):
                 raise ConfigError(path, f"expected {len(args)} values, got {len(value)}")
-            return tuple(_coerce(v, h, (*path, str(i))) for i, (v, h) in enumerate(zip(value, args)))
+            pairs = enumerate(zip(value, args, strict=True))
+            return tuple(_coerce(v, h, (*path, str(i))) for i, (v, h) in pairs)
         item_hint = args[0] if args else Any
         items = [_coerce(v, item_hint, (*path, str(i))) for i, v in enumerate(value)]
         return tuple(items) if (origin or hint) is tuple else items
