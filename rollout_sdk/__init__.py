@@ -9,6 +9,7 @@ plain pytest; :mod:`rollout_sdk.objectives` holds the torch losses policies shar
 from rollout_sdk.callback import Callback, RunInfo
 from rollout_sdk.config import ConfigError, build_config
 from rollout_sdk.data import DataSource, Pipeline, Record, Transform
+from rollout_sdk.engine import EngineStep, EngineStepOutput, KvLayout
 from rollout_sdk.environment import Environment, StepResult
 from rollout_sdk.plugin import Plugin, PluginSpecError, load_plugin, resolve_plugin_class
 from rollout_sdk.policy import Policy
@@ -32,11 +33,14 @@ __all__ = [
     "Callback",
     "ConfigError",
     "DataSource",
+    "EngineStep",
+    "EngineStepOutput",
     "Environment",
     "FinishReason",
     "Generation",
     "GenerationRequest",
     "GrpoObjective",
+    "KvLayout",
     "Objective",
     "Pipeline",
     "Plugin",

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from rollout_sdk.engine import EngineStep, EngineStepOutput, KvLayout
 from rollout_sdk.plugin import Plugin
 from rollout_sdk.types import Generation, GenerationRequest, SamplingParams, TokenBatch, TrainBatch
 
@@ -80,6 +81,21 @@ class Policy(Plugin):
 
     def load(self, directory: str) -> None:
         """Restore what ``save`` wrote, optimizer state included."""
+        raise NotImplementedError
+
+    def kv_layout(self) -> KvLayout:
+        """The cache geometry, for policies the sampling engine can drive.
+
+        Raise ``NotImplementedError`` (the default) to have the engine call ``generate``.
+        """
+        raise NotImplementedError
+
+    def allocate_kv(self, num_slots: int) -> None:
+        """Allocate (or reallocate) the paged KV cache: ``num_slots`` tokens in every layer."""
+        raise NotImplementedError
+
+    def engine_step(self, step: EngineStep) -> EngineStepOutput:
+        """Run one forward pass of the engine's batch and sample (see :mod:`rollout_sdk.engine`)."""
         raise NotImplementedError
 
     def describe(self) -> Mapping[str, Any]:
