@@ -47,6 +47,19 @@ enum Command {
         #[arg(long = "set", value_name = "KEY=VALUE")]
         overrides: Vec<String>,
     },
+    /// Complete the data's prompts (`group_size` samples each) without training; prints
+    /// throughput and engine statistics as JSON.
+    Generate {
+        config: PathBuf,
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        overrides: Vec<String>,
+        /// Write one JSON line per completion here.
+        #[arg(long)]
+        output: Option<PathBuf>,
+        /// Only the first N records.
+        #[arg(long)]
+        limit: Option<usize>,
+    },
     /// Create the quickstart's tiny model, tokenizer and addition dataset (no downloads).
     InitQuickstart {
         /// Where to write them.
@@ -144,6 +157,18 @@ async fn execute(command: Command) -> anyhow::Result<()> {
             let loaded = config::load(&config, &overrides)?;
             let session = Session::open(loaded).await?;
             println!("{}", session.report().await?);
+            Ok(())
+        }
+        Command::Generate {
+            config,
+            overrides,
+            output,
+            limit,
+        } => {
+            let loaded = config::load(&config, &overrides)?;
+            let session = Session::open(loaded).await?;
+            let stats = session.generate(limit, output.as_deref()).await?;
+            println!("{stats}");
             Ok(())
         }
         Command::InitQuickstart { dir, force } => init_quickstart(dir, force).await,

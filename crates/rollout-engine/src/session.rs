@@ -139,6 +139,61 @@ impl Session {
         Ok(lines.join("\n"))
     }
 
+    /// Completes the data's prompts without training; writes one JSON line per completion to
+    /// `output` (if given) and returns the generation statistics.
+    pub async fn generate(
+        &self,
+        limit: Option<usize>,
+        output: Option<&std::path::Path>,
+    ) -> Result<serde_json::Value, SessionError> {
+        let config = &self.loaded.config;
+        let mut controller = Controller::new(
+            config,
+            self.roles(),
+            self.records.clone(),
+            Arc::new(AtomicBool::new(false)),
+        );
+        let generated = controller.generate_all(limit).await?;
+        let completions: Vec<_> = generated.response.groups.iter().flatten().collect();
+        let tokens: usize = completions.iter().map(|c| c.token_ids.len()).sum();
+        if let Some(path) = output {
+            let mut lines = String::new();
+            let mut texts = generated.texts.iter();
+            for (prompt, group) in generated.response.groups.iter().enumerate() {
+                for (sample, completion) in group.iter().enumerate() {
+                    let line = serde_json::json!({
+                        "prompt_index": prompt,
+                        "sample": sample,
+                        "prompt": self.records[prompt].prompt,
+                        "completion": texts.next(),
+                        "token_ids": completion.token_ids,
+                        "logprobs": completion.logprobs,
+                        "finish_reason": completion.finish_reason,
+                    });
+                    lines.push_str(&line.to_string());
+                    lines.push('\n');
+                }
+            }
+            std::fs::write(path, lines).map_err(|source| RunError::Io {
+                context: "cannot write",
+                path: path.to_path_buf(),
+                source,
+            })?;
+        }
+        let mut stats = serde_json::Map::new();
+        stats.insert("completions".into(), completions.len().into());
+        stats.insert("generated_tokens".into(), tokens.into());
+        stats.insert("seconds".into(), generated.seconds.into());
+        stats.insert(
+            "tokens_per_second".into(),
+            (tokens as f64 / generated.seconds.max(1e-9)).into(),
+        );
+        for (name, value) in &generated.response.metrics {
+            stats.insert(name.clone(), (*value).into());
+        }
+        Ok(serde_json::Value::Object(stats))
+    }
+
     /// Runs the training loop; `interrupted` is set by the Ctrl-C handler.
     pub async fn run(
         self,

@@ -36,6 +36,13 @@ pub struct SamplingParams {
     pub top_k: u32,
     /// Token ids that end a completion in addition to the model's end-of-sequence ids.
     pub stop_token_ids: Vec<u32>,
+    /// Texts that end a completion once its decoded text contains one (the tokens up to and
+    /// including the one that completed it are kept).
+    #[serde(default)]
+    pub stop_strings: Vec<String>,
+    /// Keep generating past end-of-sequence tokens (benchmarks).
+    #[serde(default)]
+    pub ignore_eos: bool,
     pub seed: u64,
 }
 
@@ -44,6 +51,9 @@ pub struct SamplingParams {
 pub struct PromptRequest {
     pub prompt_ids: Vec<u32>,
     pub n: u32,
+    /// Per-sample token budgets (`n` of them); empty means `sampling.max_new_tokens` for all.
+    #[serde(default)]
+    pub max_new_tokens: Vec<u32>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -65,6 +75,9 @@ pub struct Completion {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct GenerateResponse {
     pub groups: Vec<Vec<Completion>>,
+    /// The generator's own measurements (engine throughput, KV utilisation, speculation).
+    #[serde(default)]
+    pub metrics: std::collections::BTreeMap<String, f64>,
 }
 
 /// A finished sample as reward functions see it.

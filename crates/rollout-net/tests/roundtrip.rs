@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use bytes::{Bytes, BytesMut};
-use proptest::collection::vec;
+use proptest::collection::{btree_map, vec};
 use proptest::num::{f32 as pf32, f64 as pf64};
 use proptest::prelude::*;
 use proptest::sample::Index;
@@ -52,6 +52,8 @@ fn samples() -> Vec<Frame> {
         top_p: 0.95,
         top_k: 0,
         stop_token_ids: vec![2],
+        stop_strings: vec!["\n\n".into()],
+        ignore_eos: false,
         seed: 42,
     };
     let mut builder = TensorPayloadBuilder::new();
@@ -90,6 +92,7 @@ fn samples() -> Vec<Frame> {
                 prompts: vec![PromptRequest {
                     prompt_ids: vec![1, 2, 3],
                     n: 4,
+                    max_new_tokens: vec![8, 16, 8, 128],
                 }],
                 sampling,
             },
@@ -103,6 +106,7 @@ fn samples() -> Vec<Frame> {
                     finish_reason: FinishReason::Stop,
                     weight_version: 3,
                 }]],
+                metrics: BTreeMap::from([("engine/kv_utilisation".to_owned(), 0.5)]),
             },
             Bytes::new(),
         ),
@@ -273,20 +277,31 @@ prop_compose! {
         top_p in finite_f32(),
         top_k in any::<u32>(),
         stop_token_ids in vec(any::<u32>(), 0..4),
+        stop_strings in vec(".{0,8}", 0..3),
+        ignore_eos in any::<bool>(),
         seed in any::<u64>(),
     ) -> SamplingParams {
-        SamplingParams { max_new_tokens, temperature, top_p, top_k, stop_token_ids, seed }
+        SamplingParams {
+            max_new_tokens,
+            temperature,
+            top_p,
+            top_k,
+            stop_token_ids,
+            stop_strings,
+            ignore_eos,
+            seed,
+        }
     }
 }
 
 prop_compose! {
     fn generate_request()(
-        prompts in vec((vec(any::<u32>(), 0..16), any::<u32>()), 0..4),
+        prompts in vec((vec(any::<u32>(), 0..16), any::<u32>(), vec(any::<u32>(), 0..4)), 0..4),
         sampling in sampling(),
     ) -> GenerateRequest {
         let prompts = prompts
             .into_iter()
-            .map(|(prompt_ids, n)| PromptRequest { prompt_ids, n })
+            .map(|(prompt_ids, n, max_new_tokens)| PromptRequest { prompt_ids, n, max_new_tokens })
             .collect();
         GenerateRequest { prompts, sampling }
     }
@@ -408,9 +423,10 @@ proptest! {
     #[test]
     fn generate_response_round_trips(
         groups in vec(vec(completion(), 0..3), 0..3),
+        metrics in btree_map("[a-z/_]{1,12}", finite_f64(), 0..4),
         s in any::<Index>(),
     ) {
-        round_trip(&GenerateResponse { groups }, vec![], s.index(1024));
+        round_trip(&GenerateResponse { groups, metrics }, vec![], s.index(1024));
     }
 
     #[test]

@@ -18,6 +18,7 @@ fn request() -> GenerateRequest {
         prompts: vec![PromptRequest {
             prompt_ids: vec![101, 2023, 2003],
             n: 2,
+            max_new_tokens: vec![],
         }],
         sampling: SamplingParams {
             max_new_tokens: 32,
@@ -25,6 +26,8 @@ fn request() -> GenerateRequest {
             top_p: 1.0,
             top_k: 0,
             stop_token_ids: vec![],
+            stop_strings: vec![],
+            ignore_eos: false,
             seed: 7,
         },
     }

@@ -136,6 +136,13 @@ pub struct RolloutConfig {
     pub top_k: u32,
     /// Token ids that end a completion besides the model's end-of-sequence ids.
     pub stop_token_ids: Vec<u32>,
+    /// Texts that end a completion once it contains one (needs the sampling engine).
+    pub stop_strings: Vec<String>,
+    /// Keep generating past end-of-sequence tokens (for benchmarks).
+    pub ignore_eos: bool,
+    /// A record field holding that prompt's token budget: an integer, or a list with one
+    /// integer per sample of the group. Records without it use `max_new_tokens`.
+    pub max_new_tokens_field: Option<String>,
 }
 
 impl Default for RolloutConfig {
@@ -148,6 +155,9 @@ impl Default for RolloutConfig {
             top_p: 1.0,
             top_k: 0,
             stop_token_ids: Vec::new(),
+            stop_strings: Vec::new(),
+            ignore_eos: false,
+            max_new_tokens_field: None,
         }
     }
 }

@@ -165,13 +165,30 @@ impl PolicyPlugin {
             }
             let completions = group
                 .iter()
-                .map(|generation| {
-                    self.completion(&generation, sampling.max_new_tokens, weight_version)
+                .enumerate()
+                .map(|(sample, generation)| {
+                    let mut completion =
+                        self.completion(&generation, longest_budget(request), weight_version)?;
+                    let budget = prompt
+                        .max_new_tokens
+                        .get(sample)
+                        .copied()
+                        .unwrap_or(sampling.max_new_tokens)
+                        as usize;
+                    if completion.token_ids.len() > budget {
+                        completion.token_ids.truncate(budget);
+                        completion.logprobs.truncate(budget);
+                        completion.finish_reason = FinishReason::Length;
+                    }
+                    Ok(completion)
                 })
-                .collect::<Result<Vec<_>, _>>()?;
+                .collect::<Result<Vec<_>, PluginError>>()?;
             out.push(completions);
         }
-        Ok(GenerateResponse { groups: out })
+        Ok(GenerateResponse {
+            groups: out,
+            metrics: Default::default(),
+        })
     }
 
     fn generation_args<'py>(
@@ -181,7 +198,7 @@ impl PolicyPlugin {
     ) -> PyResult<(Bound<'py, PyList>, Bound<'py, PyAny>)> {
         let sampling = &request.sampling;
         let params = PyDict::new(py);
-        params.set_item("max_new_tokens", sampling.max_new_tokens)?;
+        params.set_item("max_new_tokens", longest_budget(request))?;
         params.set_item("temperature", sampling.temperature)?;
         params.set_item("top_p", sampling.top_p)?;
         params.set_item("top_k", sampling.top_k)?;
@@ -415,6 +432,23 @@ impl PolicyPlugin {
         })
         .collect()
     }
+}
+
+/// The most tokens any sample of `request` may generate (per-sample budgets of the plugin's
+/// `generate` are applied by truncating to this common maximum).
+fn longest_budget(request: &GenerateRequest) -> u32 {
+    request
+        .prompts
+        .iter()
+        .flat_map(|prompt| {
+            if prompt.max_new_tokens.is_empty() {
+                vec![request.sampling.max_new_tokens]
+            } else {
+                prompt.max_new_tokens.clone()
+            }
+        })
+        .max()
+        .unwrap_or(request.sampling.max_new_tokens)
 }
 
 fn matrix<'py, T: numpy::Element>(

@@ -109,6 +109,15 @@ struct Collected {
     score_seconds: f64,
 }
 
+/// What `rollout generate` produced: the completions, their texts (flattened in request
+/// order) and the wall time of the generation request.
+#[derive(Debug, Clone)]
+pub struct Generated {
+    pub response: rollout_net::messages::GenerateResponse,
+    pub texts: Vec<String>,
+    pub seconds: f64,
+}
+
 /// What `rollout check` samples: one group of the first prompt, scored.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DryRun {
@@ -151,6 +160,9 @@ pub struct Controller<'a> {
     roles: Roles<'a>,
     records: Vec<Record>,
     prompt_ids: Vec<Vec<u32>>,
+    /// Per-record, per-sample token budgets from `rollout.max_new_tokens_field` (empty: the
+    /// configured `max_new_tokens`).
+    budgets: Vec<Vec<u32>>,
     store: CheckpointStore,
     state: RunState,
     interrupted: Arc<AtomicBool>,
@@ -173,6 +185,7 @@ impl<'a> Controller<'a> {
             roles,
             records,
             prompt_ids: Vec::new(),
+            budgets: Vec::new(),
             store,
             state: RunState::new(config.run.seed),
             interrupted,
@@ -214,6 +227,7 @@ impl<'a> Controller<'a> {
                 false,
             )
             .await?;
+        self.budgets = self.token_budgets()?;
         self.roles
             .observer
             .run_started(RunStarted {
@@ -482,6 +496,8 @@ impl<'a> Controller<'a> {
             top_p: rollout.top_p,
             top_k: rollout.top_k,
             stop_token_ids: rollout.stop_token_ids.clone(),
+            stop_strings: rollout.stop_strings.clone(),
+            ignore_eos: rollout.ignore_eos,
             seed,
         }
     }
@@ -562,6 +578,7 @@ impl<'a> Controller<'a> {
             .tokenizer
             .encode(vec![self.records[0].prompt.clone()], false)
             .await?;
+        self.budgets = self.token_budgets()?;
         let collected = self.collect(&[0], mix(self.config.run.seed, 999)).await?;
         let generated_tokens = collected
             .trajectories
@@ -573,6 +590,41 @@ impl<'a> Controller<'a> {
             rewards: collected.rewards,
             generated_tokens,
             seconds: collected.generate_seconds + collected.score_seconds,
+        })
+    }
+
+    /// Completes the first `limit` records (all when `None`) `group_size` times each in one
+    /// generation request, without training: for evaluation and generation benchmarks.
+    pub async fn generate_all(&mut self, limit: Option<usize>) -> Result<Generated, RunError> {
+        let count = limit.unwrap_or(self.records.len()).min(self.records.len());
+        self.prompt_ids = self
+            .roles
+            .tokenizer
+            .encode(
+                self.records[..count]
+                    .iter()
+                    .map(|r| r.prompt.clone())
+                    .collect(),
+                false,
+            )
+            .await?;
+        self.budgets = self.token_budgets()?;
+        let records: Vec<usize> = (0..count).collect();
+        let started = Instant::now();
+        let request = self.generate_request(&records, mix(self.config.run.seed, 998));
+        let response = self.roles.generator.generate(request).await?;
+        let seconds = started.elapsed().as_secs_f64();
+        let flat: Vec<Vec<u32>> = response
+            .groups
+            .iter()
+            .flatten()
+            .map(|c| c.token_ids.clone())
+            .collect();
+        let texts = self.roles.tokenizer.decode(flat).await?;
+        Ok(Generated {
+            response,
+            texts,
+            seconds,
         })
     }
 
@@ -734,6 +786,39 @@ impl<'a> Controller<'a> {
         Ok((Value::Object(line), logged))
     }
 
+    /// Reads `rollout.max_new_tokens_field` from every record.
+    fn token_budgets(&self) -> Result<Vec<Vec<u32>>, RunError> {
+        let rollout = &self.config.rollout;
+        let Some(field) = &rollout.max_new_tokens_field else {
+            return Ok(Vec::new());
+        };
+        let group = rollout.group_size;
+        let as_budget = |value: &Value| {
+            value
+                .as_u64()
+                .and_then(|v| u32::try_from(v).ok())
+                .filter(|&v| v > 0)
+        };
+        self.records
+            .iter()
+            .enumerate()
+            .map(|(index, record)| {
+                let invalid = || {
+                    RunError::Data(format!(
+                        "record {index}: `{field}` must be a positive integer or a list of {group} of them"
+                    ))
+                };
+                match record.fields.get(field) {
+                    None => Ok(Vec::new()),
+                    Some(Value::Array(items)) if items.len() == group => {
+                        items.iter().map(|v| as_budget(v).ok_or_else(invalid)).collect()
+                    }
+                    Some(value) => as_budget(value).map(|v| vec![v; group]).ok_or_else(invalid),
+                }
+            })
+            .collect()
+    }
+
     /// Linear warm-up over `train.warmup_steps` RL updates, then constant.
     fn learning_rate(&self, weight_version: u64) -> f64 {
         let train = &self.config.train;
@@ -744,6 +829,21 @@ impl<'a> Controller<'a> {
         train.learning_rate * (rl_updates as f64 / train.warmup_steps as f64).min(1.0)
     }
 
+    /// One request completing each of `records` `group_size` times.
+    fn generate_request(&self, records: &[usize], seed: u64) -> GenerateRequest {
+        GenerateRequest {
+            prompts: records
+                .iter()
+                .map(|&record| PromptRequest {
+                    prompt_ids: self.prompt_ids[record].clone(),
+                    n: self.config.rollout.group_size as u32,
+                    max_new_tokens: self.budgets.get(record).cloned().unwrap_or_default(),
+                })
+                .collect(),
+            sampling: self.sampling(seed),
+        }
+    }
+
     /// Single-turn: every prompt is completed `group_size` times in one generation call.
     async fn sample_completions(
         &self,
@@ -751,16 +851,7 @@ impl<'a> Controller<'a> {
         seed: u64,
     ) -> Result<Vec<Trajectory>, RunError> {
         let group_size = self.config.rollout.group_size;
-        let request = GenerateRequest {
-            prompts: records
-                .iter()
-                .map(|&record| PromptRequest {
-                    prompt_ids: self.prompt_ids[record].clone(),
-                    n: group_size as u32,
-                })
-                .collect(),
-            sampling: self.sampling(seed),
-        };
+        let request = self.generate_request(records, seed);
         let response = self.roles.generator.generate(request).await?;
         let mut trajectories = Vec::with_capacity(records.len() * group_size);
         for (group, (&record, completions)) in records.iter().zip(response.groups).enumerate() {
@@ -845,6 +936,7 @@ impl<'a> Controller<'a> {
                         .map(|&i| PromptRequest {
                             prompt_ids: trajectories[i].tokens.clone(),
                             n: 1,
+                            max_new_tokens: Vec::new(),
                         })
                         .collect(),
                     sampling: self.sampling(mix(seed, 1 + turn as u64)),
