@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -15,11 +16,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.utils import logging as transformers_logging
 
 from python_plugins.checkpoint_io import load_optimizer, save_optimizer
+from python_plugins.engine_runner import EngineRunner
 from python_plugins.sampling import select_tokens
 from rollout_sdk import (
+    EngineStep,
+    EngineStepOutput,
     Generation,
     GenerationRequest,
     GrpoObjective,
+    KvLayout,
     Policy,
     SamplingParams,
     TokenBatch,
@@ -33,7 +38,11 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 
 
 class HFCausalLM(Policy):
-    """Generation with a KV cache, teacher-forced logprobs and AdamW training of one HF model."""
+    """Generation with a KV cache, teacher-forced logprobs and AdamW training of one HF model.
+
+    It also runs the sampling engine's steps over a paged KV cache (``kv_layout``,
+    ``allocate_kv``, ``engine_step``), optionally with a draft model for speculative decoding.
+    """
 
     @dataclasses.dataclass(kw_only=True, slots=True)
     class Config:
@@ -51,6 +60,9 @@ class HFCausalLM(Policy):
         gradient_checkpointing: bool = False
         # 0 keeps torch's default number of CPU threads.
         torch_threads: int = 0
+        # A small causal LM sharing the tokenizer that proposes drafts for the sampling engine's
+        # speculative decoding (steps with `draft_with_model`). Never trained.
+        draft_model_path: str | None = None
 
         def __post_init__(self) -> None:
             for name in ("weight_decay", "adam_eps", "max_grad_norm", "torch_threads"):
@@ -83,6 +95,9 @@ class HFCausalLM(Policy):
         self.eos_ids = self._find_eos_token_ids()
         self.pad_id = _first_not_none(self.tokenizer.pad_token_id, *self.eos_ids, 0)
         self.keeps_last_logits_only = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        self.draft_model: PreTrainedModel | None = None
+        if config.draft_model_path is not None:
+            self.draft_model = self._load_model(config.draft_model_path).eval().requires_grad_(False)
 
     def _load_model(self, path: str) -> PreTrainedModel:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
@@ -217,6 +232,24 @@ class HFCausalLM(Policy):
             input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False
         ).logits
         return token_logprobs(logits, input_ids, temperature)
+
+    # Sampling engine
+
+    @functools.cached_property
+    def engine_runner(self) -> EngineRunner:
+        # Built on first use: for a model it cannot run, `kv_layout` raises NotImplementedError
+        # and the engine falls back to `generate`.
+        return EngineRunner(self.model, self.draft_model)
+
+    def kv_layout(self) -> KvLayout:
+        return self.engine_runner.kv_layout()
+
+    def allocate_kv(self, num_slots: int) -> None:
+        self.engine_runner.allocate(num_slots)
+
+    def engine_step(self, step: EngineStep) -> EngineStepOutput:
+        self.model.eval()
+        return self.engine_runner.step(step)
 
     # Training
 

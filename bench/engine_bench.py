@@ -1,0 +1,282 @@
+"""Rollout's sampling engine against Hugging Face ``generate`` with static batches.
+
+Same ~25M-parameter local model (hidden 512, 8 layers), same prompts, same per-sample token
+budgets (heavy-tailed between 8 and 128), same sampling (temperature 1), end-of-sequence
+ignored in both so the work is exactly the budgets, and torch limited to the same number of
+threads. Throughput counts the tokens each sample asked for; the static batch also computes
+the tokens a finished row keeps producing until the batch's longest sample is done, which is
+the waste continuous batching removes.
+
+Run with ``bench/engine``; writes ``bench/results/engine.json`` and the table in
+``docs/benchmarks.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as transformers_logging
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from python_plugins.quickstart import create_tiny_model  # noqa: E402
+
+RESULTS = REPO / "bench" / "results" / "engine.json"
+DOCS = REPO / "docs" / "benchmarks.md"
+BEGIN, END = "<!-- engine:begin -->", "<!-- engine:end -->"
+WORDS = "the a of to and in is it that for on with as at by this be are from or an".split()
+
+
+def heavy_tailed_budgets(
+    rng: np.random.Generator, count: int, low: int, high: int, alpha: float
+) -> list[int]:
+    """Pareto(alpha) truncated to [low, high] by inverse transform: most samples are short."""
+    u = rng.random(count)
+    ratio = (low / high) ** alpha
+    values = low / (1.0 - u * (1.0 - ratio)) ** (1.0 / alpha)
+    return [int(v) for v in np.clip(np.floor(values), low, high)]
+
+
+def make_workload(rng: np.random.Generator, prompts: int, group: int, args: argparse.Namespace) -> list[dict]:
+    records = []
+    for _ in range(prompts):
+        words = rng.choice(WORDS, size=int(rng.integers(args.prompt_words_min, args.prompt_words_max + 1)))
+        records.append(
+            {
+                "prompt": " ".join(words),
+                "budgets": heavy_tailed_budgets(rng, group, args.min_tokens, args.max_tokens, args.alpha),
+            }
+        )
+    return records
+
+
+def hf_generate(model_dir: Path, records: list[dict], group: int, batch_prompts: int, seed: int) -> dict:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    pad = tokenizer.pad_token_id
+    torch.manual_seed(seed)
+    useful = computed = 0
+    started = time.perf_counter()
+    for first in range(0, len(records), batch_prompts):
+        batch = records[first : first + batch_prompts]
+        rows = [
+            tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in batch for _ in range(group)
+        ]
+        budgets = [b for r in batch for b in r["budgets"]]
+        width = max(len(row) for row in rows)
+        input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        attention = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            input_ids[i, width - len(row) :] = torch.tensor(row)
+            attention[i, width - len(row) :] = 1
+        longest = max(budgets)
+        with torch.inference_mode():
+            model.generate(
+                input_ids=input_ids,
+                attention_mask=attention,
+                do_sample=True,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                pad_token_id=pad,
+            )
+        useful += sum(budgets)
+        computed += longest * len(rows)
+    seconds = time.perf_counter() - started
+    return {
+        "seconds": seconds,
+        "useful_tokens": useful,
+        "computed_tokens": computed,
+        "tokens_per_second": useful / seconds,
+    }
+
+
+def rollout_generate(
+    rollout: str, model_dir: Path, records: list[dict], group: int, args: argparse.Namespace, work: Path
+) -> dict:
+    data = work / "prompts.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    config = work / "engine.toml"
+    config.write_text(
+        f"""
+[run]
+output_dir = "{work / "out"}"
+seed = {args.seed}
+
+[policy]
+plugin = "python_plugins.hf_policy:HFCausalLM"
+options = {{ model_path = "{model_dir}", torch_threads = {args.threads} }}
+
+[data]
+plugin = "python_plugins.data:JsonlPrompts"
+options = {{ path = "{data}" }}
+shuffle = false
+
+[[rewards]]
+plugin = "python_plugins.rewards:Format"
+options = {{ pattern = ".*" }}
+
+[rollout]
+group_size = {group}
+max_new_tokens = {args.max_tokens}
+max_new_tokens_field = "budgets"
+ignore_eos = true
+temperature = 1.0
+"""
+    )
+    result = subprocess.run(
+        [rollout, "generate", str(config), *args.rollout_set],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    if result.returncode != 0:
+        raise SystemExit(f"rollout generate failed:\n{result.stderr}")
+    stats = json.loads(result.stdout.strip().splitlines()[-1])
+    expected = sum(sum(r["budgets"]) for r in records)
+    if stats["generated_tokens"] != expected:
+        raise SystemExit(f"rollout generated {stats['generated_tokens']} tokens, expected {expected}")
+    return stats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rollout", required=True, help="the rollout binary")
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--batch-prompts", type=int, default=8, help="prompts per static HF batch")
+    parser.add_argument("--min-tokens", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--alpha", type=float, default=1.0, help="Pareto tail index of the budgets")
+    parser.add_argument("--prompt-words-min", type=int, default=8)
+    parser.add_argument("--prompt-words-max", type=int, default=24)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rollout-set", nargs="*", default=[], help="extra `--set k=v` for rollout")
+    parser.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
+    args = parser.parse_args()
+    args.rollout_set = [item for kv in args.rollout_set for item in ("--set", kv)]
+
+    torch.set_num_threads(args.threads)
+    transformers_logging.disable_progress_bar()
+    work = REPO / "artifacts" / "bench-engine"
+    model_dir = work / "model"
+    if not (model_dir / "config.json").exists():
+        create_tiny_model(model_dir, hidden_size=512, num_layers=8, num_heads=8, max_positions=256, seed=0)
+    parameters = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_dir).parameters())
+    records = make_workload(np.random.default_rng(args.seed), args.prompts, args.group, args)
+
+    runs = []
+    for repeat in range(args.repeats):
+        hf = hf_generate(model_dir, records, args.group, args.batch_prompts, args.seed + repeat)
+        ours = rollout_generate(args.rollout, model_dir, records, args.group, args, work)
+        runs.append(
+            {
+                "hf_generate": hf,
+                "rollout": ours,
+                "speedup": ours["tokens_per_second"] / hf["tokens_per_second"],
+            }
+        )
+        print(
+            f"repeat {repeat}: rollout {ours['tokens_per_second']:.0f} tok/s, "
+            f"hf generate {hf['tokens_per_second']:.0f} tok/s, x{runs[-1]['speedup']:.2f}",
+            flush=True,
+        )
+    best = max(runs, key=lambda r: r["speedup"])
+    median_speedup = float(np.median([r["speedup"] for r in runs]))
+    budgets = [b for r in records for b in r["budgets"]]
+    summary = {
+        "command": "bench/engine " + " ".join(sys.argv[3:]),
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "model": {"hidden_size": 512, "layers": 8, "parameters": parameters},
+        "workload": {
+            "prompts": args.prompts,
+            "group_size": args.group,
+            "hf_batch_rows": args.batch_prompts * args.group,
+            "budget_distribution": (
+                f"Pareto(alpha={args.alpha}) truncated to [{args.min_tokens}, {args.max_tokens}]"
+            ),
+            "budget_mean": float(np.mean(budgets)),
+            "budget_max": int(max(budgets)),
+            "tokens": int(sum(budgets)),
+        },
+        "tokens_per_second_rollout": float(np.median([r["rollout"]["tokens_per_second"] for r in runs])),
+        "tokens_per_second_hf_generate": float(
+            np.median([r["hf_generate"]["tokens_per_second"] for r in runs])
+        ),
+        "speedup_vs_hf_generate": median_speedup,
+        "overhead_fraction": best["rollout"].get("engine/overhead_fraction"),
+        "kv_utilisation": best["rollout"].get("engine/kv_utilisation_mean"),
+        "runs": runs,
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in summary.items() if k != "runs"}, indent=2))
+    if not args.no_docs:
+        update_docs(summary)
+
+
+def update_docs(summary: dict) -> None:
+    rows = [
+        "| run | Rollout engine tok/s | HF generate tok/s | speed-up |",
+        "|---|---|---|---|",
+    ]
+    for i, run in enumerate(summary["runs"]):
+        rows.append(
+            f"| {i + 1} | {run['rollout']['tokens_per_second']:.0f} | "
+            f"{run['hf_generate']['tokens_per_second']:.0f} | {run['speedup']:.2f}x |"
+        )
+    workload = summary["workload"]
+    overhead = summary["overhead_fraction"]
+    kv = summary["kv_utilisation"]
+    table = "\n".join(
+        [
+            BEGIN,
+            f"Measured {summary['date']} with `{summary['command'].strip()}` "
+            f"({summary['machine']}; torch {summary['versions']['torch']}, "
+            f"transformers {summary['versions']['transformers']}).",
+            "",
+            f"Model: {summary['model']['parameters'] / 1e6:.1f}M parameters (hidden 512, 8 layers). "
+            f"Workload: {workload['prompts']} prompts x {workload['group_size']} samples, budgets "
+            f"{workload['budget_distribution']} "
+            f"(mean {workload['budget_mean']:.1f}, max {workload['budget_max']}), "
+            f"{workload['tokens']} tokens; HF static batches of {workload['hf_batch_rows']} rows.",
+            "",
+            *rows,
+            "",
+            f"Median speed-up **{summary['speedup_vs_hf_generate']:.2f}x**; engine time outside the model "
+            f"forward pass: **{overhead:.1%}**; mean KV-cache utilisation: **{kv:.1%}**."
+            if overhead is not None and kv is not None
+            else f"Median speed-up **{summary['speedup_vs_hf_generate']:.2f}x**.",
+            END,
+        ]
+    )
+    text = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n"
+    if BEGIN in text and END in text:
+        text = text[: text.index(BEGIN)] + table + text[text.index(END) + len(END) :]
+    else:
+        text = text.rstrip() + "\n\n## Sampling engine\n\n" + table + "\n"
+    DOCS.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
