@@ -179,7 +179,15 @@ def main() -> None:
     work = REPO / "artifacts" / "bench-engine"
     model_dir = work / "model"
     if not (model_dir / "config.json").exists():
-        create_tiny_model(model_dir, hidden_size=512, num_layers=8, num_heads=8, max_positions=256, seed=0)
+        create_tiny_model(
+            model_dir,
+            hidden_size=512,
+            num_layers=8,
+            num_heads=8,
+            intermediate_size=1376,
+            max_positions=256,
+            seed=0,
+        )
     parameters = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_dir).parameters())
     records = make_workload(np.random.default_rng(args.seed), args.prompts, args.group, args)
 
@@ -226,6 +234,11 @@ def main() -> None:
         "speedup_vs_hf_generate": median_speedup,
         "overhead_fraction": best["rollout"].get("engine/overhead_fraction"),
         "kv_utilisation": best["rollout"].get("engine/kv_utilisation_mean"),
+        "kv_occupancy": best["rollout"].get("engine/kv_occupancy_mean"),
+        "prompt_tokens_computed_fraction": (
+            best["rollout"]["engine/prompt_tokens_computed"]
+            / best["rollout"]["engine/prompt_tokens_requested"]
+        ),
         "runs": runs,
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

@@ -52,7 +52,16 @@ class EngineStep:
     ``sample_seq[r]``: for a row without drafts, those of its last query token; a row with
     ``draft_lens[r] = k`` verifies the ``k`` drafted tokens that are the last ``k`` query tokens
     of its sequence and reads the logits of the last ``k + 1``. Several rows may read the same
-    sequence (the ``n`` completions of a prompt prefilled once).
+    sequence (the ``n`` completions of a prompt prefilled once); a row with drafts is the only
+    row of its sequence.
+
+    The engine guarantees: positions count from 0 within each sequence; a sequence's query
+    tokens occupy the last slots of its context; no slot is written twice in a step; positions
+    stay below ``KvLayout.max_positions``.
+
+    A policy with a draft model runs it on every step's known tokens (so its cache, laid out on
+    the same slots, never falls behind), and on ``draft_with_model`` steps proposes the drafts
+    with ``k + 1`` draft forwards (the last one writes the final draft's key and value).
     """
 
     input_ids: np.ndarray  # int64 [T]
@@ -83,7 +92,10 @@ class EngineStep:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineStepOutput:
-    """Per row: ``counts[r]`` emitted tokens (accepted drafts, then one sampled token)."""
+    """Per row: ``counts[r]`` emitted tokens (accepted drafts, then one sampled token).
+
+    Entries past ``counts[r]`` are 0 (tokens) and 0.0 (logprobs).
+    """
 
     tokens: np.ndarray  # int64 [R, K + 1]
     logprobs: np.ndarray  # float32 [R, K + 1], of the temperature-scaled distribution

@@ -43,7 +43,7 @@ def artifacts(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if not ROLLOUT.exists():
         pytest.fail(f"{ROLLOUT} is missing: run scripts/setup.sh (or set ROLLOUT_BIN)")
     root = tmp_path_factory.mktemp("tiny")
-    create_tiny_model(root / "model", hidden_size=32, num_layers=2, num_heads=2, seed=0)
+    create_tiny_model(root / "model", hidden_size=32, num_layers=2, num_heads=2, max_positions=512, seed=0)
     write_addition_splits(root / "data", train=64, test=16, seed=0, digits=1)
     return root
 

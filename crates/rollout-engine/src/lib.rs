@@ -2,6 +2,8 @@
 //! training loop that drives them.
 
 pub mod config;
+pub mod engine;
+pub mod generation;
 pub mod local;
 pub mod plugins;
 pub mod python;

@@ -11,6 +11,7 @@ use rollout_net::messages::{
 };
 
 use crate::config::LoadedConfig;
+use crate::generation::PagedGenerator;
 use crate::plugins::{
     CallbackSet, DataPlugins, EnvironmentPlugin, Episode, PluginLoadError, PolicyPlugin, Record,
     RewardSet, Sdk, StepOutcome,
@@ -25,6 +26,9 @@ use crate::roles::{
 pub struct LocalRoles {
     worker: PythonWorker,
     policy: Arc<PolicyPlugin>,
+    /// The sampling engine, when the policy can run in it and it is enabled.
+    engine: Option<PagedGenerator>,
+    eos_token_ids: Vec<u32>,
     rewards: Arc<RewardSet>,
     environment: Option<Arc<EnvironmentPlugin>>,
     callbacks: Arc<CallbackSet>,
@@ -40,6 +44,8 @@ pub enum LocalError {
     Load(#[from] PluginLoadError),
     #[error(transparent)]
     Python(#[from] PythonError),
+    #[error(transparent)]
+    Role(#[from] RoleError),
 }
 
 impl LocalRoles {
@@ -58,9 +64,22 @@ impl LocalRoles {
             })
             .await??;
         let (policy, data, rewards, environment, callbacks) = plugins;
+        let policy = Arc::new(policy);
+        let eos_source = policy.clone();
+        let eos_token_ids = worker
+            .run(move |py| eos_source.eos_token_ids(py))
+            .await?
+            .map_err(RoleError::from)?;
+        let engine = if loaded.config.engine.enabled {
+            PagedGenerator::start(&worker, policy.clone(), &loaded.config.engine).await?
+        } else {
+            None
+        };
         Ok(LocalRoles {
             worker,
-            policy: Arc::new(policy),
+            policy,
+            engine,
+            eos_token_ids,
             rewards: Arc::new(rewards),
             environment: environment.map(Arc::new),
             callbacks: Arc::new(callbacks),
@@ -68,6 +87,11 @@ impl LocalRoles {
             weight_version: Arc::new(AtomicU64::new(0)),
             episodes: Arc::new(Mutex::new(HashMap::new())),
         })
+    }
+
+    /// Whether generation runs in the sampling engine (else in the policy's `generate`).
+    pub fn uses_engine(&self) -> bool {
+        self.engine.is_some()
     }
 
     pub fn has_environment(&self) -> bool {
@@ -105,6 +129,19 @@ impl Generator for LocalRoles {
         let policy = self.policy.clone();
         let version = self.weight_version.load(Ordering::SeqCst);
         boxed(async move {
+            if let Some(engine) = &self.engine {
+                return engine
+                    .generate(&self.worker, &policy, request, &self.eos_token_ids, version)
+                    .await;
+            }
+            let sampling = &request.sampling;
+            if !sampling.stop_strings.is_empty() || sampling.ignore_eos {
+                return Err(RoleError::Protocol(format!(
+                    "`rollout.stop_strings` and `rollout.ignore_eos` need the sampling engine, \
+                     which the policy `{}` cannot run in (or `[engine] enabled = false`)",
+                    policy.spec()
+                )));
+            }
             Ok(self
                 .worker
                 .run(move |py| policy.generate(py, &request, version))

@@ -24,7 +24,7 @@ pub enum RoleError {
     Plugin(#[from] PluginError),
     #[error(transparent)]
     Python(#[from] PythonError),
-    #[error("role protocol violated: {0}")]
+    #[error("{0}")]
     Protocol(String),
 }
 

@@ -24,6 +24,8 @@ pub struct Config {
     #[serde(default)]
     pub rollout: RolloutConfig,
     #[serde(default)]
+    pub engine: EngineSection,
+    #[serde(default)]
     pub algorithm: AlgorithmConfig,
     #[serde(default)]
     pub train: TrainConfig,
@@ -158,6 +160,76 @@ impl Default for RolloutConfig {
             stop_strings: Vec::new(),
             ignore_eos: false,
             max_new_tokens_field: None,
+        }
+    }
+}
+
+/// The sampling engine: continuous batching over a paged KV cache, scheduled from Rust.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EngineSection {
+    /// Use the engine when the policy supports it (`kv_layout`); otherwise, or when false,
+    /// the policy's own `generate` samples.
+    pub enabled: bool,
+    /// Tokens per KV-cache block.
+    pub block_size: usize,
+    /// KV-cache size in bytes; 0 uses `kv_cache_fraction` of the memory the policy reports
+    /// available on its device.
+    pub kv_cache_bytes: u64,
+    pub kv_cache_fraction: f64,
+    /// Query tokens per forward pass at most: decodes, drafts and prefill chunks together.
+    pub max_batch_tokens: usize,
+    /// Sequences decoding at once at most.
+    pub max_running: usize,
+    /// Reuse the KV of identical prompt prefixes across requests (multi-turn contexts).
+    pub prefix_caching: bool,
+    pub speculation: SpeculationSection,
+}
+
+impl Default for EngineSection {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            block_size: 16,
+            kv_cache_bytes: 0,
+            kv_cache_fraction: 0.25,
+            max_batch_tokens: 2048,
+            max_running: 256,
+            prefix_caching: true,
+            speculation: SpeculationSection::default(),
+        }
+    }
+}
+
+/// Speculative decoding: drafts verified by the policy in one forward pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SpeculationMethod {
+    Off,
+    /// Prompt lookup: drafts copied from earlier in the sequence (no draft model).
+    Ngram,
+    /// The policy's draft model (`draft_model_path` of the built-in HF policy).
+    DraftModel,
+}
+
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SpeculationSection {
+    pub method: SpeculationMethod,
+    /// Tokens drafted per step and sequence.
+    pub num_tokens: usize,
+    /// Longest and shortest n-gram matched by prompt lookup.
+    pub max_ngram: usize,
+    pub min_ngram: usize,
+}
+
+impl Default for SpeculationSection {
+    fn default() -> Self {
+        Self {
+            method: SpeculationMethod::Off,
+            num_tokens: 4,
+            max_ngram: 3,
+            min_ngram: 1,
         }
     }
 }

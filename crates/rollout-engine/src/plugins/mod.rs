@@ -20,7 +20,7 @@ use crate::python::convert::table_to_py;
 pub use callbacks::CallbackSet;
 pub use data::{DataPlugins, Record};
 pub use environment::{EnvironmentPlugin, Episode, StepOutcome};
-pub use policy::PolicyPlugin;
+pub use policy::{KvLayout, PolicyPlugin};
 pub use reward::RewardSet;
 
 /// Why a plugin hook failed: it raised, or it returned something that breaks the contract.
@@ -196,7 +196,7 @@ pub struct Sdk {
     pub sft_objective: Py<PyAny>,
     pub sample: Py<PyAny>,
     pub run_info: Py<PyAny>,
-    pub pipeline: Py<PyAny>,
+    pub engine_step: Py<PyAny>,
 }
 
 impl Sdk {
@@ -213,7 +213,7 @@ impl Sdk {
             sft_objective: get("SftObjective")?,
             sample: get("Sample")?,
             run_info: get("RunInfo")?,
-            pipeline: get("Pipeline")?,
+            engine_step: get("EngineStep")?,
         }))
     }
 }

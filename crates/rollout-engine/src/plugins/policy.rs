@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 
-use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1};
+use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 use rollout_net::messages::{
@@ -14,7 +14,26 @@ use rollout_net::messages::{
 
 use super::{PluginError, PluginLoadError, PluginRef, Sdk};
 use crate::config::{KeyPath, LoadedConfig};
+use crate::engine::{StepOutcome, StepPlan};
 use crate::python::convert::py_to_json;
+
+/// The cache geometry a policy reports (`rollout_sdk.KvLayout`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvLayout {
+    pub num_layers: u64,
+    pub num_kv_heads: u64,
+    pub head_dim: u64,
+    pub dtype_bytes: u64,
+    pub max_positions: u64,
+    pub available_bytes: u64,
+}
+
+impl KvLayout {
+    /// Cache bytes of one token across all layers (keys and values).
+    pub fn bytes_per_slot(&self) -> u64 {
+        2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+    }
+}
 
 pub struct PolicyPlugin {
     plugin: PluginRef,
@@ -409,6 +428,126 @@ impl PolicyPlugin {
             self.plugin
                 .bad_return(hook, "must return a mapping of str to float")
         })
+    }
+
+    /// The policy's KV-cache geometry, or `None` when it cannot run in the sampling engine
+    /// (its `kv_layout` raises `NotImplementedError`).
+    pub fn kv_layout(&self, py: Python<'_>) -> Result<Option<KvLayout>, PluginError> {
+        let hook = "kv_layout";
+        let layout = match self.plugin.object.bind(py).call_method0(hook) {
+            Ok(layout) => layout,
+            Err(err) if err.is_instance_of::<pyo3::exceptions::PyNotImplementedError>(py) => {
+                return Ok(None);
+            }
+            Err(err) => return Err(self.plugin.raised(py, hook, &err)),
+        };
+        let field = |name: &str| -> Result<u64, PluginError> {
+            layout
+                .getattr(name)
+                .and_then(|v| v.extract::<u64>())
+                .map_err(|_| {
+                    self.plugin
+                        .bad_return(hook, format!("KvLayout.{name} must be a non-negative int"))
+                })
+        };
+        Ok(Some(KvLayout {
+            num_layers: field("num_layers")?,
+            num_kv_heads: field("num_kv_heads")?,
+            head_dim: field("head_dim")?,
+            dtype_bytes: field("dtype_bytes")?,
+            max_positions: field("max_positions")?,
+            available_bytes: field("available_bytes")?,
+        }))
+    }
+
+    pub fn allocate_kv(&self, py: Python<'_>, num_slots: usize) -> Result<(), PluginError> {
+        self.plugin.call(py, "allocate_kv", (num_slots,)).map(drop)
+    }
+
+    /// Runs one engine step. The plan's arrays move into NumPy (no copy); its bookkeeping
+    /// stays for `Scheduler::apply`. Returns the outcome and the seconds inside forwards.
+    pub fn engine_step(
+        &self,
+        py: Python<'_>,
+        plan: &mut StepPlan,
+    ) -> Result<(StepOutcome, f64), PluginError> {
+        let hook = "engine_step";
+        let step = self
+            .engine_step_args(py, plan)
+            .map_err(|err| self.plugin.raised(py, hook, &err))?;
+        let output = self.plugin.call(py, hook, (step,))?;
+        let bad = |what: &str| {
+            self.plugin
+                .bad_return(hook, format!("EngineStepOutput.{what}"))
+        };
+        let tokens = output
+            .getattr("tokens")
+            .ok()
+            .and_then(|a| a.extract::<PyReadonlyArray2<i64>>().ok())
+            .ok_or_else(|| bad("tokens must be a 2-D int64 array"))?;
+        let logprobs = output
+            .getattr("logprobs")
+            .ok()
+            .and_then(|a| a.extract::<PyReadonlyArray2<f32>>().ok())
+            .ok_or_else(|| bad("logprobs must be a 2-D float32 array"))?;
+        let counts = output
+            .getattr("counts")
+            .ok()
+            .and_then(|a| a.extract::<PyReadonlyArray1<i64>>().ok())
+            .ok_or_else(|| bad("counts must be a 1-D int64 array"))?;
+        let forward_seconds = output
+            .getattr("forward_seconds")
+            .and_then(|v| v.extract::<f64>())
+            .map_err(|_| bad("forward_seconds must be a float"))?;
+        let outcome = StepOutcome {
+            tokens: tokens.as_array().iter().copied().collect(),
+            logprobs: logprobs.as_array().iter().copied().collect(),
+            counts: counts.as_array().to_vec(),
+        };
+        Ok((outcome, forward_seconds))
+    }
+
+    fn engine_step_args<'py>(
+        &self,
+        py: Python<'py>,
+        plan: &mut StepPlan,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let (seqs, rows, k1) = (plan.num_seqs(), plan.num_rows(), plan.max_drafts + 1);
+        let fields = PyDict::new(py);
+        let vector = |values: &mut Vec<i64>| PyArray1::from_vec(py, std::mem::take(values));
+        fields.set_item("input_ids", vector(&mut plan.input_ids))?;
+        fields.set_item("positions", vector(&mut plan.positions))?;
+        fields.set_item("slot_mapping", vector(&mut plan.slot_mapping))?;
+        fields.set_item("query_start", vector(&mut plan.query_start))?;
+        fields.set_item(
+            "context_slots",
+            matrix(
+                py,
+                std::mem::take(&mut plan.context_slots),
+                seqs,
+                plan.context_width,
+            )?,
+        )?;
+        fields.set_item("context_lens", vector(&mut plan.context_lens))?;
+        fields.set_item("sample_seq", vector(&mut plan.sample_seq))?;
+        fields.set_item("draft_lens", vector(&mut plan.draft_lens))?;
+        fields.set_item(
+            "temperature",
+            PyArray1::from_vec(py, std::mem::take(&mut plan.temperature)),
+        )?;
+        fields.set_item(
+            "top_p",
+            PyArray1::from_vec(py, std::mem::take(&mut plan.top_p)),
+        )?;
+        fields.set_item("top_k", vector(&mut plan.top_k))?;
+        fields.set_item(
+            "uniforms",
+            PyArray1::from_vec(py, std::mem::take(&mut plan.uniforms)).reshape([rows, k1, 3])?,
+        )?;
+        fields.set_item("copy_from", vector(&mut plan.copy_from))?;
+        fields.set_item("copy_to", vector(&mut plan.copy_to))?;
+        fields.set_item("draft_with_model", plan.draft_with_model)?;
+        self.sdk.engine_step.bind(py).call((), Some(&fields))
     }
 
     pub fn save(&self, py: Python<'_>, directory: &Path) -> Result<(), PluginError> {
