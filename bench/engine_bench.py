@@ -177,7 +177,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     transformers_logging.disable_progress_bar()
     work = REPO / "artifacts" / "bench-engine"
-    model_dir = work / "model"
+    model_dir = work / "llama-h512-l8-i1376"
     if not (model_dir / "config.json").exists():
         create_tiny_model(
             model_dir,
