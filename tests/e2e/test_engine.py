@@ -104,6 +104,9 @@ def by_prompt(completions: list[dict]) -> dict[int, list[list[int]]]:
 def test_greedy_matches_hf_generate(
     tmp_path: Path, model_dir: Path, hf_greedy: list[list[int]], overrides
 ) -> None:
+    overrides = [
+        f"policy.options.draft_model_path={model_dir}" if o == "SELF_DRAFT" else o for o in overrides
+    ]
     completions, stats = generate(tmp_path, model_dir, *overrides)
     grouped = by_prompt(completions)
     assert sorted(grouped) == list(range(len(PROMPTS)))
@@ -119,6 +122,10 @@ def test_greedy_matches_hf_generate(
         assert stats["engine/preemptions"] > 0
     if "ngram" in str(overrides):
         assert stats["engine/drafted_tokens"] > 0 and stats["engine/accepted_tokens"] > 0
+    if "draft_model" in str(overrides):
+        # The target drafting for itself: every draft is accepted.
+        assert stats["engine/drafted_tokens"] > 0
+        assert stats["engine/acceptance_rate"] == 1.0
 
 
 def test_sampled_logprobs_equal_teacher_forcing(tmp_path: Path, model_dir: Path) -> None:
@@ -149,3 +156,20 @@ def test_sampling_is_reproducible_and_independent_of_scheduling(tmp_path: Path, 
     )
     assert stats["engine/preemptions"] > 0
     assert by_prompt(roomy) == by_prompt(cramped)
+
+
+def test_stop_strings_end_completions_at_the_matching_token(
+    tmp_path: Path, model_dir: Path, hf_greedy: list[list[int]]
+) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    text = tokenizer.decode(hf_greedy[0])
+    stop = text[3:5]
+    completions, _ = generate(tmp_path, model_dir, f"rollout.stop_strings=[{json.dumps(stop)}]")
+    for completion in completions:
+        if completion["prompt_index"] != 0:
+            continue
+        tokens = completion["token_ids"]
+        assert completion["finish_reason"] == "stop"
+        assert stop in tokenizer.decode(tokens)
+        assert stop not in tokenizer.decode(tokens[:-1]), "generation went on past the stop string"
+        assert tokens == hf_greedy[0][: len(tokens)]

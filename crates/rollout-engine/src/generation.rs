@@ -312,3 +312,96 @@ fn call_metrics(
     }
     metrics
 }
+
+/// Combines the metrics of several generation requests (the turns of a multi-turn step):
+/// counts add up, per-step means are weighted by steps and ratios are recomputed.
+pub fn merge_metrics(parts: &[BTreeMap<String, f64>]) -> BTreeMap<String, f64> {
+    let sum = |name: &str| -> f64 { parts.iter().filter_map(|p| p.get(name)).sum() };
+    let mut merged = BTreeMap::new();
+    for part in parts {
+        for (name, value) in part {
+            let entry = merged.entry(name.clone()).or_insert(0.0);
+            match name.as_str() {
+                "engine/kv_blocks" => *entry = f64::max(*entry, *value),
+                "engine/kv_utilisation_mean"
+                | "engine/kv_occupancy_mean"
+                | "engine/batch_tokens_mean" => {
+                    *entry += value * part.get("engine/steps").copied().unwrap_or(0.0)
+                }
+                _ => *entry += value,
+            }
+        }
+    }
+    let steps = sum("engine/steps");
+    for name in [
+        "engine/kv_utilisation_mean",
+        "engine/kv_occupancy_mean",
+        "engine/batch_tokens_mean",
+    ] {
+        if let Some(value) = merged.get_mut(name) {
+            *value = if steps > 0.0 { *value / steps } else { 0.0 };
+        }
+    }
+    let seconds = sum("engine/seconds");
+    if let Some(value) = merged.get_mut("engine/overhead_fraction") {
+        *value = if seconds > 0.0 {
+            (1.0 - sum("engine/forward_seconds") / seconds).max(0.0)
+        } else {
+            0.0
+        };
+    }
+    if let Some(value) = merged.get_mut("engine/acceptance_rate") {
+        let drafted = sum("engine/drafted_tokens");
+        *value = if drafted > 0.0 {
+            sum("engine/accepted_tokens") / drafted
+        } else {
+            0.0
+        };
+    }
+    merged
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn merging_adds_counts_and_reweights_means() {
+        let first = BTreeMap::from([
+            ("engine/steps".to_owned(), 2.0),
+            ("engine/seconds".to_owned(), 1.0),
+            ("engine/forward_seconds".to_owned(), 0.9),
+            ("engine/overhead_fraction".to_owned(), 0.1),
+            ("engine/kv_utilisation_mean".to_owned(), 0.5),
+            ("engine/kv_blocks".to_owned(), 64.0),
+            ("engine/drafted_tokens".to_owned(), 10.0),
+            ("engine/accepted_tokens".to_owned(), 5.0),
+            ("engine/acceptance_rate".to_owned(), 0.5),
+        ]);
+        let second = BTreeMap::from([
+            ("engine/steps".to_owned(), 6.0),
+            ("engine/seconds".to_owned(), 3.0),
+            ("engine/forward_seconds".to_owned(), 2.1),
+            ("engine/overhead_fraction".to_owned(), 0.3),
+            ("engine/kv_utilisation_mean".to_owned(), 0.9),
+            ("engine/kv_blocks".to_owned(), 64.0),
+            ("engine/drafted_tokens".to_owned(), 30.0),
+            ("engine/accepted_tokens".to_owned(), 27.0),
+            ("engine/acceptance_rate".to_owned(), 0.9),
+        ]);
+        let merged = merge_metrics(&[first, second]);
+        let close = |name: &str, expected: f64| {
+            let got = merged[name];
+            assert!(
+                (got - expected).abs() < 1e-12,
+                "{name}: {got} != {expected}"
+            );
+        };
+        close("engine/steps", 8.0);
+        close("engine/seconds", 4.0);
+        close("engine/overhead_fraction", 0.25);
+        close("engine/kv_utilisation_mean", (0.5 * 2.0 + 0.9 * 6.0) / 8.0);
+        close("engine/kv_blocks", 64.0);
+        close("engine/acceptance_rate", 32.0 / 40.0);
+    }
+}

@@ -25,6 +25,7 @@ use rollout_net::messages::{
 use serde_json::{Map, Value, json};
 
 use crate::config::{Config, SftConfig};
+use crate::generation::merge_metrics;
 use crate::plugins::Record;
 use crate::roles::{
     Environments, EpisodeStart, Generator, Learner, Observer, RoleError, RunStarted, Scorer,
@@ -97,6 +98,8 @@ pub struct Summary {
 /// Steps averaged at each end of the run for the summary.
 const SUMMARY_WINDOW: usize = 10;
 
+type GeneratorMetrics = std::collections::BTreeMap<String, f64>;
+
 /// A step's samples with their rewards and advantages.
 struct Collected {
     trajectories: Vec<Trajectory>,
@@ -107,6 +110,8 @@ struct Collected {
     zero_std_groups: usize,
     generate_seconds: f64,
     score_seconds: f64,
+    /// The generator's own measurements, merged over the step's generation requests.
+    generator_metrics: GeneratorMetrics,
 }
 
 /// What `rollout generate` produced: the completions, their texts (flattened in request
@@ -505,7 +510,7 @@ impl<'a> Controller<'a> {
     /// Generates, scores and computes advantages for `records` (one group each).
     async fn collect(&self, records: &[usize], seed: u64) -> Result<Collected, RunError> {
         let started = Instant::now();
-        let trajectories = match self.roles.environments {
+        let (trajectories, generator_metrics) = match self.roles.environments {
             Some(environments) => self.run_episodes(environments, records, seed).await?,
             None => self.sample_completions(records, seed).await?,
         };
@@ -568,6 +573,7 @@ impl<'a> Controller<'a> {
             zero_std_groups,
             generate_seconds,
             score_seconds,
+            generator_metrics,
         })
     }
 
@@ -647,6 +653,7 @@ impl<'a> Controller<'a> {
             zero_std_groups,
             generate_seconds,
             score_seconds,
+            generator_metrics,
         } = self.collect(&records, seed).await?;
         let algorithm = &self.config.algorithm;
 
@@ -742,6 +749,9 @@ impl<'a> Controller<'a> {
             0.0
         };
         line.insert("padding_fraction".into(), json!(padding));
+        for (name, value) in generator_metrics {
+            line.insert(name, json!(value));
+        }
         line.insert("generate_seconds".into(), json!(generate_seconds));
         line.insert("score_seconds".into(), json!(score_seconds));
         line.insert("train_seconds".into(), json!(train_seconds));
@@ -849,10 +859,11 @@ impl<'a> Controller<'a> {
         &self,
         records: &[usize],
         seed: u64,
-    ) -> Result<Vec<Trajectory>, RunError> {
+    ) -> Result<(Vec<Trajectory>, GeneratorMetrics), RunError> {
         let group_size = self.config.rollout.group_size;
         let request = self.generate_request(records, seed);
         let response = self.roles.generator.generate(request).await?;
+        let metrics = response.metrics;
         let mut trajectories = Vec::with_capacity(records.len() * group_size);
         for (group, (&record, completions)) in records.iter().zip(response.groups).enumerate() {
             let prompt = &self.prompt_ids[record];
@@ -875,7 +886,7 @@ impl<'a> Controller<'a> {
                 });
             }
         }
-        Ok(trajectories)
+        Ok((trajectories, metrics))
     }
 
     /// Multi-turn: each group plays `group_size` episodes seeded alike; turns of all live
@@ -886,7 +897,7 @@ impl<'a> Controller<'a> {
         environments: &dyn Environments,
         records: &[usize],
         seed: u64,
-    ) -> Result<Vec<Trajectory>, RunError> {
+    ) -> Result<(Vec<Trajectory>, GeneratorMetrics), RunError> {
         let group_size = self.config.rollout.group_size;
         let max_turns = self.config.environment.as_ref().map_or(1, |e| e.max_turns);
         let first_id = seed;
@@ -925,6 +936,7 @@ impl<'a> Controller<'a> {
             })
             .collect();
         let mut live: Vec<usize> = (0..trajectories.len()).collect();
+        let mut generator_metrics = Vec::new();
         let result = async {
             for turn in 0..max_turns {
                 if live.is_empty() {
@@ -942,6 +954,7 @@ impl<'a> Controller<'a> {
                     sampling: self.sampling(mix(seed, 1 + turn as u64)),
                 };
                 let response = self.roles.generator.generate(request).await?;
+                generator_metrics.push(response.metrics);
                 let mut actions = Vec::with_capacity(live.len());
                 for (&i, mut group) in live.iter().zip(response.groups) {
                     let Some(completion) = group.pop() else {
@@ -992,7 +1005,7 @@ impl<'a> Controller<'a> {
         .await;
         environments.finish(ids).await?;
         result?;
-        Ok(trajectories)
+        Ok((trajectories, merge_metrics(&generator_metrics)))
     }
 
     fn summary(&self, started: Instant) -> Summary {
