@@ -16,13 +16,20 @@ use crate::roles::RoleError;
 use crate::train::mix;
 
 /// The engine of a run: one scheduler and its cache, reused by every generation request.
+///
+/// The cache is sized on demand: the first request allocates what it can use (its prompts
+/// and budgets) and a later, larger one grows it, never past the memory budget.
 pub struct PagedGenerator {
     state: tokio::sync::Mutex<EngineState>,
     layout: KvLayout,
+    /// The scheduler's settings; `num_blocks` is chosen per allocation.
+    config: EngineConfig,
+    /// Blocks the memory budget allows at most.
+    max_blocks: usize,
 }
 
 struct EngineState {
-    scheduler: Scheduler,
+    scheduler: Option<Scheduler>,
     /// The weights the prefix cache was computed with; cached KV is stale after an update.
     weight_version: Option<u64>,
 }
@@ -36,15 +43,14 @@ struct CallMeasurements {
 }
 
 impl PagedGenerator {
-    /// Sizes the cache from the policy's layout and the config and allocates it. `None` when
-    /// the policy cannot run in the engine.
+    /// Reads the policy's cache geometry and the memory budget. `None` when the policy
+    /// cannot run in the engine.
     pub async fn start(
         worker: &PythonWorker,
         policy: Arc<PolicyPlugin>,
         section: &EngineSection,
     ) -> Result<Option<Self>, RoleError> {
-        let probe = policy.clone();
-        let Some(layout) = worker.run(move |py| probe.kv_layout(py)).await?? else {
+        let Some(layout) = worker.run(move |py| policy.kv_layout(py)).await?? else {
             return Ok(None);
         };
         let budget = if section.kv_cache_bytes > 0 {
@@ -52,12 +58,7 @@ impl PagedGenerator {
         } else {
             (layout.available_bytes as f64 * section.kv_cache_fraction) as u64
         };
-        let slot_bytes = layout.bytes_per_slot().max(1);
-        // More than every running sequence at the model's longest length is never used.
-        let useful_blocks = section
-            .max_running
-            .saturating_mul((layout.max_positions as usize).div_ceil(section.block_size));
-        let num_blocks = ((budget / slot_bytes) as usize / section.block_size).min(useful_blocks);
+        let max_blocks = (budget / layout.bytes_per_slot().max(1)) as usize / section.block_size;
         let speculation = match section.speculation.method {
             SpeculationMethod::Off => Speculation::Off,
             SpeculationMethod::Ngram => Speculation::Ngram {
@@ -69,36 +70,98 @@ impl PagedGenerator {
                 num_tokens: section.speculation.num_tokens,
             },
         };
-        let scheduler = Scheduler::try_new(EngineConfig {
+        let config = EngineConfig {
             block_size: section.block_size,
-            num_blocks,
+            num_blocks: max_blocks,
             max_batch_tokens: section.max_batch_tokens.max(section.max_running),
             max_running: section.max_running,
             prefix_caching: section.prefix_caching,
             speculation,
-        })
-        .map_err(|err| {
+        };
+        config.validate().map_err(|err| {
             RoleError::Protocol(format!(
-                "{err} (a KV-cache budget of {budget} bytes holds {num_blocks} blocks of {} tokens)",
+                "{err} (a KV-cache budget of {budget} bytes holds {max_blocks} blocks of {} tokens)",
                 section.block_size
             ))
         })?;
-        let num_slots = num_blocks * section.block_size;
-        worker
-            .run(move |py| policy.allocate_kv(py, num_slots))
-            .await??;
-        tracing::info!(
-            "sampling engine: {num_blocks} KV blocks of {} tokens ({:.1} MiB)",
-            section.block_size,
-            (num_slots as u64 * slot_bytes) as f64 / (1 << 20) as f64
-        );
         Ok(Some(PagedGenerator {
             state: tokio::sync::Mutex::new(EngineState {
-                scheduler,
+                scheduler: None,
                 weight_version: None,
             }),
             layout,
+            config,
+            max_blocks,
         }))
+    }
+
+    /// Blocks `request` can occupy at once: every prompt with its longest completion, and
+    /// each further sample's own completion plus a copied partial block.
+    fn blocks_wanted(&self, request: &GenerateRequest) -> usize {
+        let block_size = self.config.block_size;
+        let drafts = match self.config.speculation {
+            Speculation::Off => 0,
+            Speculation::Ngram { num_tokens, .. } | Speculation::DraftModel { num_tokens } => {
+                num_tokens
+            }
+        };
+        request
+            .prompts
+            .iter()
+            .map(|prompt| {
+                let longest = prompt
+                    .max_new_tokens
+                    .iter()
+                    .copied()
+                    .max()
+                    .unwrap_or(request.sampling.max_new_tokens)
+                    as usize
+                    + drafts;
+                let samples = prompt.n.max(1) as usize;
+                (prompt.prompt_ids.len() + longest).div_ceil(block_size)
+                    + (samples - 1) * (longest.div_ceil(block_size) + 1)
+            })
+            .sum()
+    }
+
+    /// The scheduler, (re)allocating the cache when `request` wants more than it has.
+    async fn ensure_capacity<'s>(
+        &self,
+        state: &'s mut EngineState,
+        worker: &PythonWorker,
+        policy: &Arc<PolicyPlugin>,
+        request: &GenerateRequest,
+    ) -> Result<&'s mut Scheduler, RoleError> {
+        let wanted = self.blocks_wanted(request).min(self.max_blocks).max(1);
+        let current = state
+            .scheduler
+            .as_ref()
+            .map_or(0, |s| s.config().num_blocks);
+        if wanted > current {
+            // Headroom, so growing contexts (later turns of episodes) do not reallocate each time.
+            let num_blocks = (wanted * 3 / 2).max(current * 2).min(self.max_blocks);
+            let scheduler = Scheduler::try_new(EngineConfig {
+                num_blocks,
+                ..self.config.clone()
+            })
+            .map_err(|err| RoleError::Protocol(err.to_string()))?;
+            let num_slots = num_blocks * self.config.block_size;
+            let allocator = policy.clone();
+            worker
+                .run(move |py| allocator.allocate_kv(py, num_slots))
+                .await??;
+            tracing::info!(
+                "sampling engine: KV cache of {num_blocks} blocks of {} tokens ({:.1} MiB; the budget allows {})",
+                self.config.block_size,
+                (num_slots as u64 * self.layout.bytes_per_slot()) as f64 / (1 << 20) as f64,
+                self.max_blocks
+            );
+            state.scheduler = Some(scheduler);
+        }
+        state
+            .scheduler
+            .as_mut()
+            .ok_or_else(|| RoleError::Protocol("the KV cache could not be allocated".into()))
     }
 
     /// Completes every prompt of `request` with the weights of `weight_version`.
@@ -110,12 +173,16 @@ impl PagedGenerator {
         eos_token_ids: &[u32],
         weight_version: u64,
     ) -> Result<GenerateResponse, RoleError> {
-        let mut state = self.state.lock().await;
-        if state.weight_version != Some(weight_version) {
-            state.scheduler.clear_prefix_cache();
-            state.weight_version = Some(weight_version);
+        let mut guard = self.state.lock().await;
+        let state = &mut *guard;
+        let stale = state.weight_version != Some(weight_version);
+        state.weight_version = Some(weight_version);
+        let scheduler = self
+            .ensure_capacity(state, worker, policy, &request)
+            .await?;
+        if stale {
+            scheduler.clear_prefix_cache();
         }
-        let scheduler = &mut state.scheduler;
         let before = scheduler.stats();
         let sampling = &request.sampling;
         let mut stop_token_ids = sampling.stop_token_ids.clone();
