@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -260,12 +261,15 @@ class HFCausalLM(Policy):
         input_ids, attention_mask = self._as_tensors(batch.input_ids, batch.attention_mask)
         logprobs = self._token_logprobs(self.model, input_ids, attention_mask, temperature)
         ref_logprobs = None
+        reference_seconds = 0.0
         if isinstance(objective, GrpoObjective) and objective.kl_coef > 0.0:
+            started = time.perf_counter()
             with torch.no_grad():
                 ref_logprobs = self._token_logprobs(self._reference(), input_ids, attention_mask, temperature)
+            reference_seconds = time.perf_counter() - started
         output = objective_loss(logprobs, batch, ref_logprobs=ref_logprobs)
         output.loss.backward()
-        return output.metrics
+        return {**output.metrics, "reference_seconds": reference_seconds}
 
     def _reference(self) -> PreTrainedModel:
         if self.reference is None:

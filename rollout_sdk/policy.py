@@ -52,7 +52,9 @@ class Policy(Plugin):
     def train_step(self, batch: TrainBatch) -> Mapping[str, float]:
         """Forward and backward on one micro-batch, accumulating gradients.
 
-        Returns metrics averaged over the micro-batch's masked tokens (at least ``loss``).
+        Returns metrics averaged over the micro-batch's masked tokens (at least ``loss``);
+        the engine averages them over micro-batches by tokens, except names ending in
+        ``_seconds``, which it adds up.
         """
         raise NotImplementedError
 

@@ -13,7 +13,11 @@ pub fn validate(loaded: &LoadedConfig) -> Result<(), ConfigError> {
             Err(loaded.error_at(&at(path), message))
         }
     };
-    check(config.run.steps >= 1, "run.steps", "must be at least 1")?;
+    check(
+        config.run.steps >= 1 || config.sft.is_some(),
+        "run.steps",
+        "must be at least 1 (0 is allowed for a supervised-only run with [sft])",
+    )?;
     let rollout = &config.rollout;
     check(
         rollout.prompts_per_step >= 1,

@@ -300,7 +300,8 @@ impl PolicyPlugin {
     }
 
     /// One optimizer update: `train_step` on every micro-batch, then `apply_update`.
-    /// Returns micro-batch metrics averaged by loss tokens plus the update's metrics.
+    /// Returns micro-batch metrics averaged by loss tokens (names ending in `_seconds` are
+    /// summed) plus the update's metrics.
     pub fn train(
         &self,
         py: Python<'_>,
@@ -313,7 +314,13 @@ impl PolicyPlugin {
             let tokens = micro_batch.loss_tokens() as f64;
             total_tokens += tokens;
             for (name, value) in metrics {
-                *sums.entry(name).or_default() += value * tokens;
+                // Times add up over micro-batches; everything else is a token-weighted mean.
+                let weight = if name.ends_with("_seconds") {
+                    1.0
+                } else {
+                    tokens
+                };
+                *sums.entry(name).or_default() += value * weight;
             }
         }
         if request.micro_batches.is_empty() {
@@ -323,14 +330,14 @@ impl PolicyPlugin {
         let mut metrics: BTreeMap<String, f64> = sums
             .into_iter()
             .map(|(name, sum)| {
-                (
-                    name,
-                    if total_tokens > 0.0 {
-                        sum / total_tokens
-                    } else {
-                        0.0
-                    },
-                )
+                let value = if name.ends_with("_seconds") {
+                    sum
+                } else if total_tokens > 0.0 {
+                    sum / total_tokens
+                } else {
+                    0.0
+                };
+                (name, value)
             })
             .collect();
         let hook = "apply_update";

@@ -722,6 +722,15 @@ impl<'a> Controller<'a> {
             line.insert(name.clone(), json!(value));
         }
         line.insert("completions".into(), json!(trajectories.len()));
+        let prompt_tokens: usize = records
+            .iter()
+            .map(|&r| self.prompt_ids.get(r).map_or(0, Vec::len))
+            .sum();
+        line.insert("prompt_tokens".into(), json!(prompt_tokens));
+        line.insert(
+            "sequence_tokens".into(),
+            json!(trajectories.iter().map(|t| t.tokens.len()).sum::<usize>()),
+        );
         line.insert("generated_tokens".into(), json!(generated_tokens));
         line.insert(
             "completion_length_mean".into(),
