@@ -19,6 +19,7 @@ from transformers.utils import logging as transformers_logging
 from python_plugins.checkpoint_io import load_optimizer, save_optimizer
 from python_plugins.engine_runner import EngineRunner
 from python_plugins.sampling import select_tokens
+from python_plugins.shared_prefix import plan_shared_prefixes, shared_prefix_logprobs
 from rollout_sdk import (
     EngineStep,
     EngineStepOutput,
@@ -64,6 +65,9 @@ class HFCausalLM(Policy):
         # A small causal LM sharing the tokenizer that proposes drafts for the sampling engine's
         # speculative decoding (steps with `draft_with_model`). Never trained.
         draft_model_path: str | None = None
+        # Training passes run each distinct prompt once and only the completions per sample
+        # (same result; turn off for models whose forward cannot take a KV cache).
+        share_prompt_prefix: bool = True
 
         def __post_init__(self) -> None:
             for name in ("weight_decay", "adam_eps", "max_grad_norm", "torch_threads"):
@@ -91,6 +95,8 @@ class HFCausalLM(Policy):
             betas=config.adam_betas,
             eps=config.adam_eps,
             weight_decay=config.weight_decay,
+            # One kernel over all parameters instead of a few per tensor (same update).
+            fused=True,
         )
         self.bos_prefix = _default_bos_prefix(self.tokenizer)
         self.eos_ids = self._find_eos_token_ids()
@@ -258,14 +264,25 @@ class HFCausalLM(Policy):
         objective = batch.objective
         temperature = objective.temperature if isinstance(objective, GrpoObjective) else 1.0
         self.model.train()
-        input_ids, attention_mask = self._as_tensors(batch.input_ids, batch.attention_mask)
-        logprobs = self._token_logprobs(self.model, input_ids, attention_mask, temperature)
+        plan = (
+            plan_shared_prefixes(batch.input_ids, batch.attention_mask, batch.loss_mask)
+            if self.config.share_prompt_prefix
+            else None
+        )
+
+        def sequence_logprobs(model: PreTrainedModel) -> torch.Tensor:
+            if plan is not None:
+                return shared_prefix_logprobs(model, plan, temperature, self.device)
+            input_ids, attention_mask = self._as_tensors(batch.input_ids, batch.attention_mask)
+            return self._token_logprobs(model, input_ids, attention_mask, temperature)
+
+        logprobs = sequence_logprobs(self.model)
         ref_logprobs = None
         reference_seconds = 0.0
         if isinstance(objective, GrpoObjective) and objective.kl_coef > 0.0:
             started = time.perf_counter()
             with torch.no_grad():
-                ref_logprobs = self._token_logprobs(self._reference(), input_ids, attention_mask, temperature)
+                ref_logprobs = sequence_logprobs(self._reference())
             reference_seconds = time.perf_counter() - started
         output = objective_loss(logprobs, batch, ref_logprobs=ref_logprobs)
         output.loss.backward()

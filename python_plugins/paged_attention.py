@@ -13,6 +13,7 @@ returns ``None`` early), so the only mask is the per-step one built here.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -52,11 +53,14 @@ class PagedKvCache:
     def __init__(
         self, geometry: CacheGeometry, num_slots: int, device: torch.device, dtype: torch.dtype
     ) -> None:
-        self.kv = torch.zeros(
-            (geometry.num_layers, 2, num_slots, geometry.num_kv_heads, geometry.head_dim),
-            device=device,
-            dtype=dtype,
-        )
+        shape = (geometry.num_layers, 2, num_slots, geometry.num_kv_heads, geometry.head_dim)
+        if device.type == "cpu":
+            # calloc'd memory: the kernel maps zero pages lazily, so the cache costs resident
+            # memory only for the blocks the engine writes (`torch.zeros` touches all of it).
+            nbytes = math.prod(shape) * dtype.itemsize
+            self.kv = torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+        else:
+            self.kv = torch.zeros(shape, device=device, dtype=dtype)
 
     @property
     def num_slots(self) -> int:

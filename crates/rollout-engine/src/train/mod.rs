@@ -260,7 +260,13 @@ impl<'a> Controller<'a> {
         );
         while self.state.step < self.config.run.steps && !self.stopping() {
             let step = self.state.step + 1;
-            let (line, logged) = self.rl_step(step, &mut cursor).await?;
+            let (mut line, logged) = self.rl_step(step, &mut cursor).await?;
+            if let Some(fields) = line.as_object_mut() {
+                fields.insert(
+                    "elapsed_seconds".into(),
+                    json!(started.elapsed().as_secs_f64()),
+                );
+            }
             if let Some(samples) = samples.as_mut() {
                 for sample in &logged {
                     samples

@@ -1,0 +1,132 @@
+"""Teacher-forced logprobs that run each group's shared prompt through the model once.
+
+A GRPO group is ``group_size`` sequences that start with the same prompt. The plain forward
+pass computes that prompt once per sequence; here the distinct prompts go through the model
+once (with a KV cache that keeps its autograd graph), each sequence's cache rows are selected
+from its prompt's, and only the tokens after the prompt are run per sequence. Causal attention
+makes the result the same as the plain pass, gradients included: they flow back through the
+selected cache into the prompt pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from rollout_sdk.objectives import token_logprobs
+
+__all__ = ["PrefixPlan", "plan_shared_prefixes", "shared_prefix_logprobs"]
+
+# Share only when it saves at least this share of the token positions: two passes cost more
+# per-operation overhead than one.
+MIN_SAVING = 0.2
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrefixPlan:
+    """How a right-padded ``[rows, width]`` batch splits into shared prefixes and per-row suffixes.
+
+    A row's prefix is every token before its first loss-masked token; rows with identical
+    prefixes share one. Prefixes are left-padded to ``[prefixes, prefix_width]`` so that every
+    prefix ends in the last column; suffixes are right-padded to ``[rows, suffix_width]``.
+    """
+
+    prefix_ids: np.ndarray
+    prefix_mask: np.ndarray
+    row_prefix: np.ndarray
+    suffix_ids: np.ndarray
+    suffix_mask: np.ndarray
+    suffix_positions: np.ndarray
+    suffix_start: np.ndarray
+    width: int
+
+    @property
+    def positions(self) -> int:
+        """Token positions the two passes compute."""
+        return self.prefix_ids.size + self.suffix_ids.size
+
+
+def plan_shared_prefixes(
+    input_ids: np.ndarray, attention_mask: np.ndarray, loss_mask: np.ndarray
+) -> PrefixPlan | None:
+    """The plan for a batch, or ``None`` when sharing saves less than :data:`MIN_SAVING`."""
+    rows, width = input_ids.shape
+    lengths = attention_mask.sum(axis=1).astype(np.int64)
+    trained = loss_mask > 0
+    if not trained.any(axis=1).all():
+        return None
+    starts = trained.argmax(axis=1)
+    if (starts < 1).any():
+        return None
+    keys: dict[bytes, int] = {}
+    row_prefix = np.empty(rows, dtype=np.int64)
+    for row in range(rows):
+        key = input_ids[row, : starts[row]].tobytes()
+        row_prefix[row] = keys.setdefault(key, len(keys))
+    prefix_rows = np.array([int(np.argmax(row_prefix == p)) for p in range(len(keys))])
+    prefix_lengths = starts[prefix_rows]
+    prefix_width = int(prefix_lengths.max())
+    suffix_lengths = lengths - starts
+    suffix_width = int(suffix_lengths.max())
+    if len(keys) * prefix_width + rows * suffix_width > (1.0 - MIN_SAVING) * rows * width:
+        return None
+
+    prefix_ids = np.zeros((len(keys), prefix_width), dtype=np.int64)
+    prefix_mask = np.zeros((len(keys), prefix_width), dtype=np.int64)
+    for prefix, (row, length) in enumerate(zip(prefix_rows, prefix_lengths, strict=True)):
+        prefix_ids[prefix, prefix_width - length :] = input_ids[row, :length]
+        prefix_mask[prefix, prefix_width - length :] = 1
+    columns = np.arange(suffix_width)
+    suffix_mask = (columns[None, :] < suffix_lengths[:, None]).astype(np.int64)
+    source = np.minimum(starts[:, None] + columns[None, :], width - 1)
+    suffix_ids = np.where(suffix_mask > 0, np.take_along_axis(input_ids, source, axis=1), 0)
+    return PrefixPlan(
+        prefix_ids=prefix_ids,
+        prefix_mask=prefix_mask,
+        row_prefix=row_prefix,
+        suffix_ids=suffix_ids,
+        suffix_mask=suffix_mask,
+        suffix_positions=starts[:, None] + columns[None, :],
+        suffix_start=starts,
+        width=width,
+    )
+
+
+def shared_prefix_logprobs(
+    model: PreTrainedModel, plan: PrefixPlan, temperature: float, device: torch.device
+) -> torch.Tensor:
+    """Per-token logprobs ``[rows, width]`` aligned with the planned batch (0 before each suffix)."""
+
+    def tensor(array: np.ndarray) -> torch.Tensor:
+        return torch.as_tensor(array, device=device)
+
+    prefix_mask = tensor(plan.prefix_mask)
+    cache = DynamicCache(config=model.config)
+    prefix_logits = model(
+        input_ids=tensor(plan.prefix_ids),
+        attention_mask=prefix_mask,
+        position_ids=(prefix_mask.cumsum(-1) - 1).clamp_min(0),
+        past_key_values=cache,
+        use_cache=True,
+    ).logits
+    row_prefix = tensor(plan.row_prefix)
+    cache.batch_select_indices(row_prefix)
+    suffix_ids = tensor(plan.suffix_ids)
+    suffix_logits = model(
+        input_ids=suffix_ids,
+        attention_mask=torch.cat([prefix_mask[row_prefix], tensor(plan.suffix_mask)], dim=1),
+        position_ids=tensor(plan.suffix_positions),
+        past_key_values=cache,
+        use_cache=True,
+    ).logits
+    # The prefix's last position predicts the suffix's first token; each suffix position the next.
+    logits = torch.cat([prefix_logits[row_prefix, -1:], suffix_logits], dim=1)
+    suffix_logprobs = token_logprobs(logits, torch.cat([suffix_ids[:, :1], suffix_ids], dim=1), temperature)
+    suffix_logprobs = suffix_logprobs[:, 1:] * tensor(plan.suffix_mask)
+    rows, suffix_width = plan.suffix_ids.shape
+    result = suffix_logprobs.new_zeros((rows, plan.width + suffix_width))
+    columns = tensor(plan.suffix_start)[:, None] + torch.arange(suffix_width, device=device)[None, :]
+    return result.scatter(1, columns, suffix_logprobs)[:, : plan.width]

@@ -1,0 +1,147 @@
+"""The arithmetic and bookkeeping of ``bench/e2e_vs_trl.py`` (the benchmark itself is not a test)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import tomllib
+from transformers import LlamaConfig, LlamaForCausalLM
+
+REPO = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("e2e_vs_trl", REPO / "bench" / "e2e_vs_trl.py")
+assert _spec is not None and _spec.loader is not None
+bench = importlib.util.module_from_spec(_spec)
+sys.modules["e2e_vs_trl"] = bench
+_spec.loader.exec_module(bench)
+
+CONFIG = {
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 50,
+}
+
+
+def test_matmul_shapes_cover_every_weight_matrix_of_a_llama() -> None:
+    model = LlamaForCausalLM(LlamaConfig(**CONFIG, tie_word_embeddings=False))
+    matrices = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "embed" not in name)
+    assert sum(n_in * n_out for n_in, n_out in bench.matmul_shapes(CONFIG)) == matrices
+
+
+def test_step_flops_count_generation_training_and_the_reference() -> None:
+    record = {"completions": 4, "sequence_tokens": 40}
+    per_token = bench.forward_flops_per_token(CONFIG, context=5)
+    assert per_token > 2 * sum(a * b for a, b in bench.matmul_shapes(CONFIG))
+    assert bench.step_model_flops(CONFIG, record, kl=False) == pytest.approx(4 * per_token * 40)
+    assert bench.step_model_flops(CONFIG, record, kl=True) == pytest.approx(5 * per_token * 40)
+
+
+def test_steps_are_timed_between_consecutive_step_ends(tmp_path: Path) -> None:
+    rollout = tmp_path / "metrics.jsonl"
+    lines = [
+        {"step": 1, "elapsed_seconds": 1.0, "generate_seconds": 0.4, "score_seconds": 0.1,
+         "train_seconds": 0.3, "reference_seconds": 0.1, "step_seconds": 0.8, "completions": 8,
+         "generated_tokens": 20, "sequence_tokens": 60, "reward_mean": 0.5},
+        {"step": 2, "elapsed_seconds": 3.0, "generate_seconds": 1.0, "score_seconds": 0.1,
+         "train_seconds": 0.5, "reference_seconds": 0.2, "step_seconds": 1.7, "completions": 8,
+         "generated_tokens": 30, "sequence_tokens": 70, "reward_mean": 0.25},
+    ]  # fmt: skip
+    rollout.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    first, second = bench.read_steps("rollout", rollout)
+    assert first["step_seconds"] == pytest.approx(1.0)
+    assert second["step_seconds"] == pytest.approx(2.0)
+    assert second["logprob_seconds"] == pytest.approx(0.2)
+    assert second["train_seconds"] == pytest.approx(0.3)
+    assert second["other_seconds"] == pytest.approx(2.0 - 1.0 - 0.1 - 0.2 - 0.3)
+
+    trl = tmp_path / "trl.jsonl"
+    record = {
+        "step": 1, "elapsed_seconds": 0.5, "generate_seconds": 0.2, "reward_seconds": 0.01,
+        "logprob_seconds": 0.0, "train_seconds": 0.2, "sync_seconds": 0.0, "completions": 8,
+        "generated_tokens": 16, "prompt_tokens": 40, "step_seconds": 0.45, "reward_mean": 0.1,
+    }  # fmt: skip
+    trl.write_text(json.dumps(record) + "\n" + json.dumps({"summary": True}) + "\n")
+    (only,) = bench.read_steps("trl", trl)
+    assert only["sequence_tokens"] == 56
+    assert only["other_seconds"] == pytest.approx(0.5 - 0.41)
+
+
+def test_summary_takes_medians_after_the_warm_up() -> None:
+    steps = [
+        {"completions": 8, "generated_tokens": 16, "sequence_tokens": 64, "step_seconds": seconds,
+         "reward_mean": 0.5, **{f"{name}_seconds": seconds / 6 for name in bench.PHASES}}
+        for seconds in (10.0, 1.0, 2.0, 4.0)
+    ]  # fmt: skip
+    summary = bench.summarise(steps, warmup=1, model_config=CONFIG, kl=False, gemm_gflops=1.0)
+    assert summary["measured_steps"] == 3
+    assert summary["step_seconds"] == 2.0
+    assert summary["completions_per_second"] == 4.0
+    assert summary["generated_tokens_per_second"] == 8.0
+    flops = bench.step_model_flops(CONFIG, steps[0], kl=False)
+    assert summary["compute_bound_fraction"] == pytest.approx(flops / 1e9 / 2.0)
+
+
+def test_ratios_and_headline_use_rollout_over_trl() -> None:
+    def run(cps: float, rss: int) -> dict:
+        return {
+            "completions_per_second": cps,
+            "generated_tokens_per_second": 2 * cps,
+            "peak_rss_bytes": rss,
+            "step_seconds": 64 / cps,
+            "compute_bound_fraction": cps / 1000,
+            "phase_seconds": dict.fromkeys(bench.PHASES, 1.0),
+        }
+
+    pairs = []
+    for rollout_cps, trl_cps in ((300.0, 100.0), (200.0, 100.0), (500.0, 100.0)):
+        pair = {"rollout": run(rollout_cps, 600), "trl": run(trl_cps, 1000)}
+        pair["ratios"] = bench.pair_ratios(pair["rollout"], pair["trl"])
+        pairs.append(pair)
+    assert pairs[0]["ratios"]["throughput_ratio"] == 3.0
+    assert pairs[0]["ratios"]["memory_ratio"] == 0.6
+    headline = bench.headline(pairs)
+    assert headline["throughput_ratio"] == 3.0
+    assert headline["throughput_ratio_per_repeat"] == [3.0, 2.0, 5.0]
+    assert headline["completions_per_second"] == {"rollout": 300.0, "trl": 100.0}
+
+
+def test_generated_configs_are_valid_toml(tmp_path: Path) -> None:
+    spec = bench.RunSpec("rollout", "tiny", tmp_path / "model", 0.04, "bf16", 15, "label")
+    command, metrics = bench.rollout_command(
+        spec, Path("rollout"), tmp_path, tmp_path / "data.jsonl", bench.Workload()
+    )
+    config = tomllib.loads((tmp_path / "configs" / "label.toml").read_text())
+    assert command[-2:] == [str(tmp_path / "configs" / "label.toml"), "--overwrite"]
+    assert metrics == tmp_path / "runs" / "label" / "metrics.jsonl"
+    assert config["rollout"]["prompts_per_step"] * config["rollout"]["group_size"] == 64
+    assert config["rollout"]["max_new_tokens"] == 32
+    assert config["algorithm"]["kl_coef"] == 0.04
+    assert config["policy"]["options"]["dtype"] == "bfloat16"
+    assert config["rewards"] == [{"plugin": "python_plugins.rewards:ExactMatch"}]
+
+
+def test_docs_section_is_replaced_between_the_markers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text(f"intro\n{bench.BEGIN}\nold\n{bench.END}\noutro\n")
+    monkeypatch.setattr(bench, "DOCS", doc)
+    bench.write_docs("new table")
+    assert doc.read_text() == f"intro\n{bench.BEGIN}\nnew table\n{bench.END}\noutro\n"
+
+
+def test_learning_verdict_compares_the_second_halves() -> None:
+    flat = [0.2, 0.4] * 10
+    better = [0.0] * 10 + [0.5, 0.7] * 5
+    assert bench.learning_verdict(better, flat)["not_worse"]
+    assert bench.learning_verdict(flat, flat)["difference"] == 0.0
+    much_worse = [0.0] * 10 + [0.0, 0.1] * 5
+    verdict = bench.learning_verdict(much_worse, flat)
+    assert verdict["difference"] == pytest.approx(0.05 - 0.3)
+    assert not verdict["not_worse"]

@@ -1,0 +1,120 @@
+"""Training passes that run each group's prompt once give the plain passes' logprobs and gradients."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from policy_helpers import make_policy, right_padded
+
+from python_plugins.shared_prefix import plan_shared_prefixes, shared_prefix_logprobs
+from rollout_sdk import GrpoObjective, TrainBatch
+
+CPU = torch.device("cpu")
+
+
+def group_batch(
+    prompts: list[list[int]], completions: list[list[list[int]]]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Right-padded rows prompt + completion, with the completion tokens loss-masked."""
+    rows = [(p, c) for p, group in zip(prompts, completions, strict=True) for c in group]
+    ids, attention = right_padded([p + c for p, c in rows])
+    loss = np.zeros(ids.shape, dtype=np.float32)
+    for row, (p, c) in enumerate(rows):
+        loss[row, len(p) : len(p) + len(c)] = 1
+    return ids, attention, loss
+
+
+def random_groups(seed: int, groups: int = 3, group_size: int = 4) -> tuple[list, list]:
+    """Prompts of 6 to 11 tokens, completions of 1 to 5; the second row's has 5."""
+    rng = np.random.default_rng(seed)
+    prompts = [[1, *rng.integers(3, 40, size=int(rng.integers(5, 11))).tolist()] for _ in range(groups)]
+    completions = [
+        [rng.integers(3, 40, size=int(rng.integers(1, 6))).tolist() for _ in range(group_size)]
+        for _ in range(groups)
+    ]
+    completions[0][1] = rng.integers(3, 40, size=5).tolist()
+    return prompts, completions
+
+
+def test_the_plan_shares_identical_prompts_and_keeps_every_token() -> None:
+    prompts = [[1, 5, 6], [1, 7, 8, 9, 10]]
+    completions = [[[11], [12, 13, 14]], [[15, 16], [17]]]
+    ids, attention, loss = group_batch(prompts, completions)
+    plan = plan_shared_prefixes(ids, attention, loss)
+    assert plan is not None
+    assert plan.row_prefix.tolist() == [0, 0, 1, 1]
+    # Left-padded prompts: each ends in the last column.
+    assert plan.prefix_ids.tolist() == [[0, 0, 1, 5, 6], [1, 7, 8, 9, 10]]
+    assert plan.prefix_mask.tolist() == [[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]
+    assert plan.suffix_ids.tolist() == [[11, 0, 0], [12, 13, 14], [15, 16, 0], [17, 0, 0]]
+    assert plan.suffix_positions[:, 0].tolist() == [3, 3, 5, 5]
+    assert plan.positions < ids.size
+
+
+def test_no_plan_when_nothing_is_shared() -> None:
+    ids, attention, loss = group_batch([[1, 5], [1, 6], [1, 7]], [[[8, 9, 10]], [[11, 12]], [[13]]])
+    assert plan_shared_prefixes(ids, attention, loss) is None
+
+
+def test_no_plan_for_a_row_without_trained_tokens() -> None:
+    prompts, completions = random_groups(0)
+    ids, attention, loss = group_batch(prompts, completions)
+    loss[2] = 0
+    assert plan_shared_prefixes(ids, attention, loss) is None
+
+
+@pytest.mark.parametrize("model", ["tiny_model_dir", "tiny_gpt2_dir", "tiny_gqa_dir"])
+def test_logprobs_and_gradients_match_the_plain_pass(model: str, request: pytest.FixtureRequest) -> None:
+    policy = make_policy(request.getfixturevalue(model))
+    prompts, completions = random_groups(1)
+    ids, attention, loss = group_batch(prompts, completions)
+    # A multi-turn row: an environment's tokens (not trained) between two generated spans.
+    start = len(prompts[0])
+    loss[1, start + 2 : start + 4] = 0
+    plan = plan_shared_prefixes(ids, attention, loss)
+    assert plan is not None
+    mask = torch.as_tensor(loss)
+
+    def logprobs_and_grads(shared: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        policy.model.zero_grad(set_to_none=True)
+        if shared:
+            logprobs = shared_prefix_logprobs(policy.model, plan, 0.7, CPU)
+        else:
+            input_ids, attention_mask = torch.as_tensor(ids), torch.as_tensor(attention)
+            logprobs = policy._token_logprobs(policy.model, input_ids, attention_mask, 0.7)
+        (logprobs * mask * torch.linspace(-1, 1, mask.numel()).view(mask.shape)).sum().backward()
+        return logprobs.detach() * mask, [p.grad.clone() for p in policy.model.parameters()]
+
+    shared, shared_grads = logprobs_and_grads(True)
+    plain, plain_grads = logprobs_and_grads(False)
+    torch.testing.assert_close(shared, plain, atol=1e-5, rtol=1e-5)
+    assert (shared != 0).sum() == mask.sum()
+    for a, b in zip(shared_grads, plain_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_train_step_is_the_same_with_and_without_sharing(tiny_model_dir) -> None:
+    prompts, completions = random_groups(2)
+    ids, attention, loss = group_batch(prompts, completions)
+    rng = np.random.default_rng(3)
+    batch = TrainBatch(
+        input_ids=ids,
+        attention_mask=attention,
+        loss_mask=loss,
+        advantages=np.repeat(rng.standard_normal((ids.shape[0], 1)), ids.shape[1], axis=1).astype(np.float32),
+        old_logprobs=np.full(ids.shape, -3.0, dtype=np.float32),
+        loss_scale=float(1.0 / loss.sum()),
+        objective=GrpoObjective(clip_low=0.2, clip_high=0.2, kl_coef=0.1, temperature=1.0),
+    )
+    results = []
+    for share in (True, False):
+        policy = make_policy(tiny_model_dir, share_prompt_prefix=share)
+        metrics = policy.train_step(batch)
+        grads = [p.grad.clone() for p in policy.model.parameters()]
+        results.append((metrics, grads))
+    (shared_metrics, shared_grads), (plain_metrics, plain_grads) = results
+    for key in ("loss", "kl", "ratio_mean", "clip_fraction"):
+        assert shared_metrics[key] == pytest.approx(plain_metrics[key], rel=1e-4, abs=1e-6)
+    for a, b in zip(shared_grads, plain_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
