@@ -525,18 +525,22 @@ def markdown(results: Mapping[str, Any]) -> str:
             f"{results['warmup_steps']} warm-up steps; ratio = Rollout / TRL, one per repeat)",
             "",
             "| model | KL | completions/s Rollout | TRL | ratio | tokens/s ratio "
-            "| peak RSS Rollout | TRL | ratio | compute-bound fraction Rollout | TRL |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "| peak RSS Rollout | TRL | ratio | ratio above torch "
+            "| compute-bound fraction Rollout | TRL |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
+        floor = results["machine"]["import_torch_rss_bytes"]
         for row in table:
             h = row["headline"]
+            rss = h["peak_rss_bytes"]
             lines.append(
                 f"| {row['size']} | {row['kl_coef']:g} "
                 f"| {h['completions_per_second']['rollout']:.0f} | {h['completions_per_second']['trl']:.0f} "
                 f"| **{h['throughput_ratio']:.2f}x** ({_list(h['throughput_ratio_per_repeat'])}) "
                 f"| {h['generated_tokens_ratio']:.2f}x "
-                f"| {_mib(h['peak_rss_bytes']['rollout'])} | {_mib(h['peak_rss_bytes']['trl'])} "
+                f"| {_mib(rss['rollout'])} | {_mib(rss['trl'])} "
                 f"| **{h['memory_ratio']:.2f}x** ({_list(h['memory_ratio_per_repeat'])}) "
+                f"| {ratio(rss['rollout'] - floor, rss['trl'] - floor):.2f}x "
                 f"| {h['compute_bound_fraction']['rollout']:.2f} | {h['compute_bound_fraction']['trl']:.2f} |"
             )
         lines += ["", "Seconds per step by phase, median (first repeat):", ""]
@@ -555,9 +559,9 @@ def markdown(results: Mapping[str, Any]) -> str:
     learning = results.get("learning")
     if learning:
         lines += [
-            f"Learning check: both from the same warm-started checkpoint, KL 0, fp32, "
-            f"{learning['steps']} steps of {results['workload']['completions_per_step']} completions. "
-            "Mean exact-match reward:",
+            "Learning check: both from the same warm-started checkpoint, KL 0, fp32, "
+            + ", ".join(f"{size} {steps} steps" for size, steps in learning["steps"].items())
+            + f" of {results['workload']['completions_per_step']} completions. Mean exact-match reward:",
             "",
             "| model | framework | first 10 steps | last 10 steps | second half | whole run |",
             "|---|---|---|---|---|---|",
@@ -605,13 +609,15 @@ def plot_learning(curves: Mapping[str, Mapping[str, Sequence[float]]], per_step:
 
     figure, axes = pyplot.subplots(1, len(curves), figsize=(5.5 * len(curves), 3.8), squeeze=False)
     for axis, (size, by_framework) in zip(axes[0], curves.items(), strict=True):
-        for framework, rewards in by_framework.items():
+        for (framework, rewards), colour in zip(
+            by_framework.items(), ("tab:blue", "tab:orange"), strict=False
+        ):
             completions = [per_step * (i + 1) for i in range(len(rewards))]
-            axis.plot(completions, rewards, alpha=0.25, linewidth=1)
-            axis.plot(completions, moving_average(rewards, 10), label=framework, linewidth=2)
-        axis.set_title(f"{size} model, KL 0, fp32")
+            axis.plot(completions, rewards, color=colour, alpha=0.25, linewidth=1)
+            axis.plot(completions, moving_average(rewards, 10), color=colour, label=framework, linewidth=2)
+        axis.set_title(f"{size} model, KL 0, fp32 (thin: per step, thick: 10-step mean)", fontsize=9)
         axis.set_xlabel("completions")
-        axis.set_ylabel("exact-match reward (mean per step; thick: 10-step average)")
+        axis.set_ylabel("exact-match reward")
         axis.legend()
         axis.grid(alpha=0.3)
     figure.tight_layout()
@@ -627,7 +633,7 @@ def moving_average(values: Sequence[float], window: int) -> list[float]:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rollout", type=Path, required=True, help="the rollout binary")
+    parser.add_argument("--rollout", type=Path, help="the rollout binary (required unless --report-only)")
     parser.add_argument("--sizes", default="tiny,small", help="comma-separated: tiny, small")
     parser.add_argument("--kl", default="0,0.04", help="comma-separated KL coefficients")
     parser.add_argument("--precisions", default="fp32,bf16", help="comma-separated: fp32, bf16")
@@ -642,9 +648,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--work", type=Path, default=REPO / "artifacts" / "bench-e2e-vs-trl")
     parser.add_argument(
+        "--report-only", action="store_true", help=f"only redo the docs and plot from {RESULTS.name}"
+    )
+    parser.add_argument(
         "--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md or the plot"
     )
     args = parser.parse_args(argv)
+    if args.rollout is None and not args.report_only:
+        parser.error("--rollout is required")
     if args.steps - args.warmup < 10:
         parser.error("--steps must leave at least 10 measured steps after --warmup")
     return args
@@ -652,11 +663,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.report_only:
+        report(json.loads(RESULTS.read_text()))
+        return 0
     import torch
     import transformers
     import trl
+    from transformers.utils import logging as transformers_logging
 
     from python_plugins.quickstart import write_addition_splits
+
+    transformers_logging.disable_progress_bar()
 
     workload = Workload()
     work: Path = args.work.resolve()
@@ -735,7 +752,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     fp32 = {row["size"]: row for row in tables.get("fp32", []) if row["kl_coef"] == 0.0}
     results = {
         "date": datetime.date.today().isoformat(),
-        "command": "bench/e2e_vs_trl " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": " ".join(
+            ["bench/e2e_vs_trl", *user_arguments(argv if argv is not None else sys.argv[1:])]
+        ),
         "versions": {
             "torch": torch.__version__,
             "transformers": transformers.__version__,
@@ -771,11 +790,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {RESULTS.relative_to(REPO)}")
     if not args.no_docs:
-        if learning and learning["curves"]:
-            plot_learning(learning["curves"], workload.completions_per_step)
-        write_docs(markdown(results))
-        print(f"updated {DOCS.relative_to(REPO)}")
+        report(results)
     return 0
+
+
+def report(results: Mapping[str, Any]) -> None:
+    """The plot and the tables in the docs, from ``results``."""
+    learning = results.get("learning")
+    if learning and learning["curves"]:
+        plot_learning(learning["curves"], results["workload"]["completions_per_step"])
+    write_docs(markdown(results))
+    print(f"updated {DOCS.relative_to(REPO)} and {PLOT.relative_to(REPO)}")
+
+
+def user_arguments(argv: Sequence[str]) -> list[str]:
+    """``argv`` without ``--rollout PATH``, which the ``bench/e2e_vs_trl`` wrapper adds."""
+    kept, skip = [], False
+    for argument in argv:
+        if skip:
+            skip = False
+        elif argument == "--rollout":
+            skip = True
+        elif not argument.startswith("--rollout="):
+            kept.append(argument)
+    return kept
 
 
 def _cpu_name() -> str:

@@ -113,7 +113,11 @@ def shared_prefix_logprobs(
         use_cache=True,
     ).logits
     row_prefix = tensor(plan.row_prefix)
-    cache.batch_select_indices(row_prefix)
+    # `index_select`, not `batch_select_indices`' advanced indexing: its backward is an
+    # `index_add_`, several times faster on CPU than an accumulating `index_put_`.
+    for layer in cache.layers:
+        layer.keys = layer.keys.index_select(0, row_prefix)
+        layer.values = layer.values.index_select(0, row_prefix)
     suffix_ids = tensor(plan.suffix_ids)
     suffix_logits = model(
         input_ids=suffix_ids,
