@@ -120,6 +120,10 @@ def test_run_writes_metrics_checkpoint_and_summary(tmp_path: Path, artifacts: Pa
         assert REQUIRED_METRICS <= line.keys()
         assert line["completions"] == 8
         assert line["generated_tokens"] >= 8
+    # Each line is stamped when written: consecutive stamps are at least that step long.
+    elapsed = [line["elapsed_seconds"] for line in lines]
+    for before, after, line in zip(elapsed[:-1], elapsed[1:], lines[1:], strict=True):
+        assert after - before >= line["step_seconds"]
     # Two SFT updates precede the RL ones.
     assert [line["weight_version"] for line in lines] == [3, 4, 5]
     assert "reward_mean: first 10 steps" in result.stdout
