@@ -643,7 +643,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=15, help="steps per speed run")
     parser.add_argument(
         "--learning-steps",
-        default="tiny=150,small=40",
+        default="tiny=150,small=60",
         help="steps of the learning check per size; '' skips it",
     )
     parser.add_argument("--work", type=Path, default=REPO / "artifacts" / "bench-e2e-vs-trl")
