@@ -264,11 +264,9 @@ class HFCausalLM(Policy):
         objective = batch.objective
         temperature = objective.temperature if isinstance(objective, GrpoObjective) else 1.0
         self.model.train()
-        plan = (
-            plan_shared_prefixes(batch.input_ids, batch.attention_mask, batch.loss_mask)
-            if self.config.share_prompt_prefix
-            else None
-        )
+        # Gradient checkpointing turns the KV cache off inside the model, so nothing to share.
+        share = self.config.share_prompt_prefix and not self.config.gradient_checkpointing
+        plan = plan_shared_prefixes(batch.input_ids, batch.attention_mask, batch.loss_mask) if share else None
 
         def sequence_logprobs(model: PreTrainedModel) -> torch.Tensor:
             if plan is not None:

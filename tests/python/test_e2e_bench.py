@@ -1,22 +1,14 @@
-"""The arithmetic and bookkeeping of ``bench/e2e_vs_trl.py`` (the benchmark itself is not a test)."""
+"""The arithmetic and bookkeeping of ``bench/e2e_vs_trl`` (the benchmark itself is not a test)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
-import tomllib
 from transformers import LlamaConfig, LlamaForCausalLM
 
-REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("e2e_vs_trl", REPO / "bench" / "e2e_vs_trl.py")
-assert _spec is not None and _spec.loader is not None
-bench = importlib.util.module_from_spec(_spec)
-sys.modules["e2e_vs_trl"] = bench
-_spec.loader.exec_module(bench)
+from bench.e2e import flops, report, runs
 
 CONFIG = {
     "hidden_size": 64,
@@ -31,15 +23,15 @@ CONFIG = {
 def test_matmul_shapes_cover_every_weight_matrix_of_a_llama() -> None:
     model = LlamaForCausalLM(LlamaConfig(**CONFIG, tie_word_embeddings=False))
     matrices = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "embed" not in name)
-    assert sum(n_in * n_out for n_in, n_out in bench.matmul_shapes(CONFIG)) == matrices
+    assert sum(n_in * n_out for n_in, n_out in flops.matmul_shapes(CONFIG)) == matrices
 
 
 def test_step_flops_count_generation_training_and_the_reference() -> None:
     record = {"completions": 4, "sequence_tokens": 40}
-    per_token = bench.forward_flops_per_token(CONFIG, context=5)
-    assert per_token > 2 * sum(a * b for a, b in bench.matmul_shapes(CONFIG))
-    assert bench.step_model_flops(CONFIG, record, kl=False) == pytest.approx(4 * per_token * 40)
-    assert bench.step_model_flops(CONFIG, record, kl=True) == pytest.approx(5 * per_token * 40)
+    per_token = flops.forward_flops_per_token(CONFIG, context=5)
+    assert per_token > 2 * sum(a * b for a, b in flops.matmul_shapes(CONFIG))
+    assert flops.step_model_flops(CONFIG, record, kl=False) == pytest.approx(4 * per_token * 40)
+    assert flops.step_model_flops(CONFIG, record, kl=True) == pytest.approx(5 * per_token * 40)
 
 
 def test_steps_are_timed_between_consecutive_step_ends(tmp_path: Path) -> None:
@@ -53,7 +45,7 @@ def test_steps_are_timed_between_consecutive_step_ends(tmp_path: Path) -> None:
          "generated_tokens": 30, "sequence_tokens": 70, "reward_mean": 0.25},
     ]  # fmt: skip
     rollout.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    first, second = bench.read_steps("rollout", rollout)
+    first, second = runs.read_steps("rollout", rollout)
     assert first["step_seconds"] == pytest.approx(1.0)
     assert second["step_seconds"] == pytest.approx(2.0)
     assert second["logprob_seconds"] == pytest.approx(0.2)
@@ -67,7 +59,7 @@ def test_steps_are_timed_between_consecutive_step_ends(tmp_path: Path) -> None:
         "generated_tokens": 16, "prompt_tokens": 40, "step_seconds": 0.45, "reward_mean": 0.1,
     }  # fmt: skip
     trl.write_text(json.dumps(record) + "\n" + json.dumps({"summary": True}) + "\n")
-    (only,) = bench.read_steps("trl", trl)
+    (only,) = runs.read_steps("trl", trl)
     assert only["sequence_tokens"] == 56
     assert only["other_seconds"] == pytest.approx(0.5 - 0.41)
 
@@ -75,16 +67,16 @@ def test_steps_are_timed_between_consecutive_step_ends(tmp_path: Path) -> None:
 def test_summary_takes_medians_after_the_warm_up() -> None:
     steps = [
         {"completions": 8, "generated_tokens": 16, "sequence_tokens": 64, "step_seconds": seconds,
-         "reward_mean": 0.5, **{f"{name}_seconds": seconds / 6 for name in bench.PHASES}}
+         "reward_mean": 0.5, **{f"{name}_seconds": seconds / 6 for name in runs.PHASES}}
         for seconds in (10.0, 1.0, 2.0, 4.0)
     ]  # fmt: skip
-    summary = bench.summarise(steps, warmup=1, model_config=CONFIG, kl=False, gemm_gflops=1.0)
+    summary = runs.summarise(steps, warmup=1, model_config=CONFIG, kl=False, gemm_gflops=1.0)
     assert summary["measured_steps"] == 3
     assert summary["step_seconds"] == 2.0
     assert summary["completions_per_second"] == 4.0
     assert summary["generated_tokens_per_second"] == 8.0
-    flops = bench.step_model_flops(CONFIG, steps[0], kl=False)
-    assert summary["compute_bound_fraction"] == pytest.approx(flops / 1e9 / 2.0)
+    step_flops = flops.step_model_flops(CONFIG, steps[0], kl=False)
+    assert summary["compute_bound_fraction"] == pytest.approx(step_flops / 1e9 / 2.0)
 
 
 def test_ratios_and_headline_use_rollout_over_trl() -> None:
@@ -95,27 +87,28 @@ def test_ratios_and_headline_use_rollout_over_trl() -> None:
             "peak_rss_bytes": rss,
             "step_seconds": 64 / cps,
             "compute_bound_fraction": cps / 1000,
-            "phase_seconds": dict.fromkeys(bench.PHASES, 1.0),
+            "phase_seconds": dict.fromkeys(runs.PHASES, 1.0),
         }
 
     pairs = []
     for rollout_cps, trl_cps in ((300.0, 100.0), (200.0, 100.0), (500.0, 100.0)):
         pair = {"rollout": run(rollout_cps, 600), "trl": run(trl_cps, 1000)}
-        pair["ratios"] = bench.pair_ratios(pair["rollout"], pair["trl"])
+        pair["ratios"] = report.pair_ratios(pair["rollout"], pair["trl"])
         pairs.append(pair)
     assert pairs[0]["ratios"]["throughput_ratio"] == 3.0
     assert pairs[0]["ratios"]["memory_ratio"] == 0.6
-    headline = bench.headline(pairs)
+    headline = report.headline(pairs)
     assert headline["throughput_ratio"] == 3.0
     assert headline["throughput_ratio_per_repeat"] == [3.0, 2.0, 5.0]
     assert headline["completions_per_second"] == {"rollout": 300.0, "trl": 100.0}
 
 
 def test_generated_configs_are_valid_toml(tmp_path: Path) -> None:
-    spec = bench.RunSpec("rollout", "tiny", tmp_path / "model", 0.04, "bf16", 15, "label")
-    command, metrics = bench.rollout_command(
-        spec, Path("rollout"), tmp_path, tmp_path / "data.jsonl", bench.Workload()
+    spec = runs.RunSpec("rollout", "tiny", tmp_path / "model", 0.04, "bf16", 15, "label")
+    command, metrics = runs.rollout_command(
+        spec, Path("rollout"), tmp_path, tmp_path / "data.jsonl", runs.Workload()
     )
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     config = tomllib.loads((tmp_path / "configs" / "label.toml").read_text())
     assert command[-2:] == [str(tmp_path / "configs" / "label.toml"), "--overwrite"]
     assert metrics == tmp_path / "runs" / "label" / "metrics.jsonl"
@@ -130,18 +123,18 @@ def test_docs_section_is_replaced_between_the_markers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     doc = tmp_path / "benchmarks.md"
-    doc.write_text(f"intro\n{bench.BEGIN}\nold\n{bench.END}\noutro\n")
-    monkeypatch.setattr(bench, "DOCS", doc)
-    bench.write_docs("new table")
-    assert doc.read_text() == f"intro\n{bench.BEGIN}\nnew table\n{bench.END}\noutro\n"
+    doc.write_text(f"intro\n{report.BEGIN}\nold\n{report.END}\noutro\n")
+    monkeypatch.setattr(report, "DOCS", doc)
+    report.write_docs("new table")
+    assert doc.read_text() == f"intro\n{report.BEGIN}\nnew table\n{report.END}\noutro\n"
 
 
 def test_learning_verdict_compares_the_second_halves() -> None:
     flat = [0.2, 0.4] * 10
     better = [0.0] * 10 + [0.5, 0.7] * 5
-    assert bench.learning_verdict(better, flat)["not_worse"]
-    assert bench.learning_verdict(flat, flat)["difference"] == 0.0
+    assert report.learning_verdict(better, flat)["not_worse"]
+    assert report.learning_verdict(flat, flat)["difference"] == 0.0
     much_worse = [0.0] * 10 + [0.0, 0.1] * 5
-    verdict = bench.learning_verdict(much_worse, flat)
+    verdict = report.learning_verdict(much_worse, flat)
     assert verdict["difference"] == pytest.approx(0.05 - 0.3)
     assert not verdict["not_worse"]

@@ -95,6 +95,7 @@ def test_logprobs_and_gradients_match_the_plain_pass(model: str, request: pytest
 
 
 def test_train_step_is_the_same_with_and_without_sharing(tiny_model_dir) -> None:
+    """Also with gradient checkpointing, which turns the model's cache off (so no sharing)."""
     prompts, completions = random_groups(2)
     ids, attention, loss = group_batch(prompts, completions)
     rng = np.random.default_rng(3)
@@ -108,13 +109,14 @@ def test_train_step_is_the_same_with_and_without_sharing(tiny_model_dir) -> None
         objective=GrpoObjective(clip_low=0.2, clip_high=0.2, kl_coef=0.1, temperature=1.0),
     )
     results = []
-    for share in (True, False):
-        policy = make_policy(tiny_model_dir, share_prompt_prefix=share)
+    for options in ({}, {"share_prompt_prefix": False}, {"gradient_checkpointing": True}):
+        policy = make_policy(tiny_model_dir, **options)
         metrics = policy.train_step(batch)
         grads = [p.grad.clone() for p in policy.model.parameters()]
         results.append((metrics, grads))
-    (shared_metrics, shared_grads), (plain_metrics, plain_grads) = results
-    for key in ("loss", "kl", "ratio_mean", "clip_fraction"):
-        assert shared_metrics[key] == pytest.approx(plain_metrics[key], rel=1e-4, abs=1e-6)
-    for a, b in zip(shared_grads, plain_grads, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    (shared_metrics, shared_grads), *others = results
+    for metrics, grads in others:
+        for key in ("loss", "kl", "ratio_mean", "clip_fraction"):
+            assert shared_metrics[key] == pytest.approx(metrics[key], rel=1e-4, abs=1e-6)
+        for a, b in zip(shared_grads, grads, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
