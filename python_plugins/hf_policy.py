@@ -106,6 +106,12 @@ class HFCausalLM(Policy):
         if config.draft_model_path is not None:
             self.draft_model = self._load_model(config.draft_model_path).eval().requires_grad_(False)
 
+    def _set_training(self, training: bool) -> None:
+        # `Module.train` walks every submodule: skip it when the mode is already right, since
+        # the engine calls this once per decode step.
+        if self.model.training != training:
+            self.model.train(training)
+
     def _load_model(self, path: str) -> PreTrainedModel:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
         return model.to(self.device)
@@ -156,7 +162,7 @@ class HFCausalLM(Policy):
             return [[] for _ in requests]
         if any(len(prompt) == 0 for prompt in prompts):
             raise ValueError("cannot generate from an empty prompt")
-        self.model.eval()
+        self._set_training(False)
         input_ids, attention_mask = self._left_padded(prompts)
         positions = (attention_mask.cumsum(-1) - 1).clamp_min(0)
         rows = len(prompts)
@@ -216,7 +222,7 @@ class HFCausalLM(Policy):
 
     @torch.inference_mode()
     def logprobs(self, batch: TokenBatch) -> np.ndarray:
-        self.model.eval()
+        self._set_training(False)
         input_ids, attention_mask = self._as_tensors(batch.input_ids, batch.attention_mask)
         result = self._token_logprobs(self.model, input_ids, attention_mask, batch.temperature)
         return (result * attention_mask).cpu().numpy().astype(np.float32)
@@ -255,7 +261,7 @@ class HFCausalLM(Policy):
         self.engine_runner.allocate(num_slots)
 
     def engine_step(self, step: EngineStep) -> EngineStepOutput:
-        self.model.eval()
+        self._set_training(False)
         return self.engine_runner.step(step)
 
     # Training
@@ -263,7 +269,7 @@ class HFCausalLM(Policy):
     def train_step(self, batch: TrainBatch) -> Mapping[str, float]:
         objective = batch.objective
         temperature = objective.temperature if isinstance(objective, GrpoObjective) else 1.0
-        self.model.train()
+        self._set_training(True)
         # Gradient checkpointing turns the KV cache off inside the model, so nothing to share.
         share = self.config.share_prompt_prefix and not self.config.gradient_checkpointing
         plan = plan_shared_prefixes(batch.input_ids, batch.attention_mask, batch.loss_mask) if share else None
