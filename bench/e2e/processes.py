@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
+from bench.e2e import REPO
 
 
 def run_measured(command: Sequence[str], log: Path, env: Mapping[str, str] | None = None) -> dict[str, Any]:

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
+from bench.e2e import REPO
 from bench.e2e.runs import PHASES
 
-REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs" / "benchmarks.md"
 PLOT = REPO / "docs" / "e2e_vs_trl_learning.png"
 BEGIN, END = "<!-- e2e:begin -->", "<!-- e2e:end -->"

@@ -9,10 +9,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.e2e import REPO
 from bench.e2e.flops import step_model_flops
 from bench.e2e.processes import run_measured
 
-REPO = Path(__file__).resolve().parents[2]
 PHASES = ("generate", "reward", "logprob", "train", "sync", "other")
 
 
