@@ -313,6 +313,9 @@ class HFCausalLM(Policy):
         self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": float(grad_norm), "learning_rate": float(learning_rate)}
 
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for _, p in self.trainable]
+
     # Weights and checkpoints
 
     def export_weights(self) -> dict[str, np.ndarray]:

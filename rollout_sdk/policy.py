@@ -74,6 +74,14 @@ class Policy(Plugin):
         """Replace the current weights (names and shapes as ``export_weights`` returns)."""
         raise NotImplementedError
 
+    def trainable_parameters(self) -> list[Any]:
+        """The ``torch.nn.Parameter`` objects ``apply_update`` steps, in a fixed order.
+
+        Needed for data-parallel training (``[cluster] trainers > 1``): their gradients are
+        all-reduced across trainer ranks between the micro-batches and ``apply_update``.
+        """
+        raise NotImplementedError
+
     def save(self, directory: str) -> None:
         """Write the model (``directory/model``, loadable by ``from_pretrained``) and optimizer.
 

@@ -219,9 +219,14 @@ impl PagedGenerator {
                         top_k: sampling.top_k,
                     },
                     stop_token_ids: stop_token_ids.clone(),
-                    seeds: (0..n as u64)
-                        .map(|sample| mix(mix(sampling.seed, index as u64), sample))
-                        .collect(),
+                    seeds: {
+                        let group_seed = prompt
+                            .seed
+                            .unwrap_or_else(|| mix(sampling.seed, index as u64));
+                        (0..n as u64)
+                            .map(|sample| mix(group_seed, sample))
+                            .collect()
+                    },
                 })
                 .map_err(|err| RoleError::Protocol(format!("prompt {index}: {err}")))?;
             prompt_of.insert(id, index);

@@ -1,6 +1,7 @@
 //! The `rollout` engine: configuration, the embedded Python plugin host, the roles and the
 //! training loop that drives them.
 
+pub mod cluster;
 pub mod config;
 pub mod engine;
 pub mod generation;

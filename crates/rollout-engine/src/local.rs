@@ -1,4 +1,7 @@
-//! Every role in this process, on the embedded interpreter's worker thread.
+//! Roles on this process's embedded interpreter: [`PolicyHost`] (generation, training and
+//! the tokenizer, on one policy plugin) and [`Services`] (rewards, environments, data and
+//! callbacks). `rollout run` uses both; a generation worker or trainer process hosts a
+//! policy; a distributed run's controller hosts the services.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -8,13 +11,16 @@ use std::sync::{Arc, Mutex};
 
 use rollout_net::messages::{
     GenerateRequest, GenerateResponse, ScoreRequest, ScoreResponse, TrainRequest, TrainResponse,
+    WeightsReport,
 };
+use rollout_net::tensor::TensorMeta;
 
+use crate::cluster::weights::{TensorBytes, version_checksum};
 use crate::config::LoadedConfig;
 use crate::generation::PagedGenerator;
 use crate::plugins::{
-    CallbackSet, DataPlugins, EnvironmentPlugin, Episode, PluginLoadError, PolicyPlugin, Record,
-    RewardSet, Sdk, StepOutcome,
+    CallbackSet, DataPlugins, EnvironmentPlugin, Episode, PluginError, PluginLoadError,
+    PolicyPlugin, Record, RewardSet, Sdk, StepOutcome,
 };
 use crate::python::{PythonError, PythonWorker};
 use crate::roles::{
@@ -22,20 +28,16 @@ use crate::roles::{
     Scorer, Tokenizer,
 };
 
-/// The loaded plugins of a run and the interpreter that hosts them.
-pub struct LocalRoles {
-    worker: PythonWorker,
-    policy: Arc<PolicyPlugin>,
-    /// The sampling engine, when the policy can run in it and it is enabled.
-    engine: Option<PagedGenerator>,
-    eos_token_ids: Vec<u32>,
-    rewards: Arc<RewardSet>,
-    environment: Option<Arc<EnvironmentPlugin>>,
-    callbacks: Arc<CallbackSet>,
-    data: Arc<DataPlugins>,
-    weight_version: Arc<AtomicU64>,
-    /// Live episodes by id. Their Python objects are dropped inside `finish`, on the worker.
-    episodes: Arc<Mutex<HashMap<u64, Episode>>>,
+impl From<PluginError> for RoleError {
+    fn from(err: PluginError) -> Self {
+        RoleError::Plugin(err.to_string())
+    }
+}
+
+impl From<PythonError> for RoleError {
+    fn from(err: PythonError) -> Self {
+        RoleError::Runtime(err.to_string())
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -48,22 +50,50 @@ pub enum LocalError {
     Role(#[from] RoleError),
 }
 
-impl LocalRoles {
-    /// Imports and instantiates every plugin the config names.
-    pub async fn load(worker: PythonWorker, loaded: &LoadedConfig) -> Result<Self, LocalError> {
+/// Seeds the interpreter's global generators from `run.seed`, once per process and before
+/// the first plugin is instantiated, so a role loads alike in one process or many.
+fn seed_once(py: pyo3::Python<'_>, seed: u64) -> Result<(), PythonError> {
+    use pyo3::prelude::*;
+    static SEEDED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if SEEDED.swap(true, Ordering::SeqCst) {
+        return Ok(());
+    }
+    py.import("rollout_sdk.seeding")
+        .and_then(|seeding| seeding.call_method1("seed_everything", (seed,)))
+        .map(drop)
+        .map_err(|err| PythonError::from_py(py, &err))
+}
+
+fn boxed<'a, T: Send + 'a>(
+    future: impl std::future::Future<Output = Result<T, RoleError>> + Send + 'a,
+) -> RoleFuture<'a, T> {
+    Box::pin(future)
+}
+
+/// The policy plugin of a run, its sampling engine and the version of its weights.
+pub struct PolicyHost {
+    worker: Arc<PythonWorker>,
+    policy: Arc<PolicyPlugin>,
+    /// The sampling engine, when the policy can run in it and it is enabled.
+    engine: Option<PagedGenerator>,
+    eos_token_ids: Vec<u32>,
+    weight_version: Arc<AtomicU64>,
+}
+
+impl PolicyHost {
+    /// Imports and instantiates the config's policy.
+    pub async fn load(
+        worker: Arc<PythonWorker>,
+        loaded: &LoadedConfig,
+    ) -> Result<Self, LocalError> {
         let loaded_config = loaded.clone();
-        let plugins = worker
+        let policy = worker
             .run(move |py| -> Result<_, LocalError> {
+                seed_once(py, loaded_config.config.run.seed)?;
                 let sdk = Sdk::import(py)?;
-                let policy = PolicyPlugin::load(py, &loaded_config, sdk.clone())?;
-                let data = DataPlugins::load(py, &loaded_config)?;
-                let rewards = RewardSet::load(py, &loaded_config, sdk.clone())?;
-                let environment = EnvironmentPlugin::load(py, &loaded_config)?;
-                let callbacks = CallbackSet::load(py, &loaded_config, sdk)?;
-                Ok((policy, data, rewards, environment, callbacks))
+                Ok(PolicyPlugin::load(py, &loaded_config, sdk)?)
             })
             .await??;
-        let (policy, data, rewards, environment, callbacks) = plugins;
         let policy = Arc::new(policy);
         let eos_source = policy.clone();
         let eos_token_ids = worker
@@ -75,17 +105,12 @@ impl LocalRoles {
         } else {
             None
         };
-        Ok(LocalRoles {
+        Ok(PolicyHost {
             worker,
             policy,
             engine,
             eos_token_ids,
-            rewards: Arc::new(rewards),
-            environment: environment.map(Arc::new),
-            callbacks: Arc::new(callbacks),
-            data: Arc::new(data),
             weight_version: Arc::new(AtomicU64::new(0)),
-            episodes: Arc::new(Mutex::new(HashMap::new())),
         })
     }
 
@@ -94,37 +119,67 @@ impl LocalRoles {
         self.engine.is_some()
     }
 
-    pub fn has_environment(&self) -> bool {
-        self.environment.is_some()
-    }
-
-    pub fn reward_names(&self) -> Vec<String> {
-        self.rewards.names().map(str::to_owned).collect()
-    }
-
-    /// Every data record, through the transforms.
-    pub async fn records(&self) -> Result<Vec<Record>, RoleError> {
-        let data = self.data.clone();
-        Ok(self.worker.run(move |py| data.records(py)).await??)
-    }
-
-    pub async fn describe_policy(&self) -> Result<serde_json::Value, RoleError> {
+    pub async fn describe(&self) -> Result<serde_json::Value, RoleError> {
         let policy = self.policy.clone();
         Ok(self.worker.run(move |py| policy.describe(py)).await??)
     }
 
-    pub fn policy_spec(&self) -> &str {
+    pub fn spec(&self) -> &str {
         self.policy.spec()
+    }
+
+    pub fn weight_version(&self) -> u64 {
+        self.weight_version.load(Ordering::SeqCst)
+    }
+
+    /// Has `train` all-reduce gradients over the trainers' process group (see
+    /// `rollout_sdk.distributed`) before each update.
+    pub async fn join_data_parallel(
+        &self,
+        rank: u32,
+        world_size: u32,
+        backend: String,
+        compression: String,
+    ) -> Result<(), RoleError> {
+        let policy = self.policy.clone();
+        Ok(self
+            .worker
+            .run(move |py| policy.join_data_parallel(py, rank, world_size, &backend, &compression))
+            .await??)
+    }
+
+    /// The current weights, tensor by tensor, and the version they are.
+    pub async fn export_weights(&self) -> Result<(u64, Vec<TensorBytes>), RoleError> {
+        let policy = self.policy.clone();
+        let version = self.weight_version();
+        let tensors = self
+            .worker
+            .run(move |py| policy.export_weights(py))
+            .await??;
+        Ok((version, tensors))
+    }
+
+    /// Replaces the weights with `tensors` as `version`. Runs as one job on the interpreter
+    /// thread, so it falls between two engine steps, never inside one.
+    pub async fn import_weights(
+        &self,
+        version: u64,
+        tensors: Arc<Vec<(TensorMeta, bytes::Bytes)>>,
+    ) -> Result<(), RoleError> {
+        let policy = self.policy.clone();
+        let weight_version = self.weight_version.clone();
+        self.worker
+            .run(move |py| {
+                policy.import_weights(py, &tensors)?;
+                weight_version.store(version, Ordering::SeqCst);
+                Ok::<_, PluginError>(())
+            })
+            .await??;
+        Ok(())
     }
 }
 
-fn boxed<'a, T: Send + 'a>(
-    future: impl std::future::Future<Output = Result<T, RoleError>> + Send + 'a,
-) -> RoleFuture<'a, T> {
-    Box::pin(future)
-}
-
-impl Generator for LocalRoles {
+impl Generator for PolicyHost {
     fn generate(&self, request: GenerateRequest) -> RoleFuture<'_, GenerateResponse> {
         let policy = self.policy.clone();
         let version = self.weight_version.load(Ordering::SeqCst);
@@ -148,21 +203,14 @@ impl Generator for LocalRoles {
                 .await??)
         })
     }
-}
 
-impl Scorer for LocalRoles {
-    fn score(&self, request: ScoreRequest) -> RoleFuture<'_, ScoreResponse> {
-        let rewards = self.rewards.clone();
-        boxed(async move {
-            Ok(self
-                .worker
-                .run(move |py| rewards.score(py, &request))
-                .await??)
-        })
+    /// In one process generation and training share the model: nothing to load.
+    fn load_weights(&self, weights: WeightsReport) -> RoleFuture<'_, Vec<WeightsReport>> {
+        boxed(async move { Ok(vec![weights]) })
     }
 }
 
-impl Learner for LocalRoles {
+impl Learner for PolicyHost {
     fn train(&self, request: TrainRequest) -> RoleFuture<'_, TrainResponse> {
         let policy = self.policy.clone();
         boxed(async move {
@@ -198,9 +246,28 @@ impl Learner for LocalRoles {
             Ok(())
         })
     }
+
+    /// Reports the version and checksum of the weights this process holds; nothing is
+    /// copied for an in-process generator.
+    fn publish_weights(&self, _bucket_bytes: u64) -> RoleFuture<'_, WeightsReport> {
+        boxed(async move {
+            let (version, tensors) = self.export_weights().await?;
+            Ok(WeightsReport {
+                version,
+                checksum: version_checksum(&tensors),
+                bytes: tensors.iter().map(|t| t.data.len() as u64).sum(),
+                source: String::new(),
+                holder: "local".into(),
+            })
+        })
+    }
+
+    fn needs_weight_sync(&self) -> bool {
+        false
+    }
 }
 
-impl Tokenizer for LocalRoles {
+impl Tokenizer for PolicyHost {
     fn encode(&self, texts: Vec<String>, continuation: bool) -> RoleFuture<'_, Vec<Vec<u32>>> {
         let policy = self.policy.clone();
         boxed(async move {
@@ -225,17 +292,78 @@ impl Tokenizer for LocalRoles {
     }
 
     fn eos_token_ids(&self) -> RoleFuture<'_, Vec<u32>> {
-        let policy = self.policy.clone();
+        let ids = self.eos_token_ids.clone();
+        boxed(async move { Ok(ids) })
+    }
+}
+
+/// The run's data, rewards, environment and callbacks.
+pub struct Services {
+    worker: Arc<PythonWorker>,
+    rewards: Arc<RewardSet>,
+    environment: Option<Arc<EnvironmentPlugin>>,
+    callbacks: Arc<CallbackSet>,
+    data: Arc<DataPlugins>,
+    /// Live episodes by id. Their Python objects are dropped inside `finish`, on the worker.
+    episodes: Arc<Mutex<HashMap<u64, Episode>>>,
+}
+
+impl Services {
+    /// Imports and instantiates every plugin the config names except the policy.
+    pub async fn load(
+        worker: Arc<PythonWorker>,
+        loaded: &LoadedConfig,
+    ) -> Result<Self, LocalError> {
+        let loaded_config = loaded.clone();
+        let (data, rewards, environment, callbacks) = worker
+            .run(move |py| -> Result<_, LocalError> {
+                seed_once(py, loaded_config.config.run.seed)?;
+                let sdk = Sdk::import(py)?;
+                let data = DataPlugins::load(py, &loaded_config)?;
+                let rewards = RewardSet::load(py, &loaded_config, sdk.clone())?;
+                let environment = EnvironmentPlugin::load(py, &loaded_config)?;
+                let callbacks = CallbackSet::load(py, &loaded_config, sdk)?;
+                Ok((data, rewards, environment, callbacks))
+            })
+            .await??;
+        Ok(Services {
+            worker,
+            rewards: Arc::new(rewards),
+            environment: environment.map(Arc::new),
+            callbacks: Arc::new(callbacks),
+            data: Arc::new(data),
+            episodes: Arc::new(Mutex::new(HashMap::new())),
+        })
+    }
+
+    pub fn has_environment(&self) -> bool {
+        self.environment.is_some()
+    }
+
+    pub fn reward_names(&self) -> Vec<String> {
+        self.rewards.names().map(str::to_owned).collect()
+    }
+
+    /// Every data record, through the transforms.
+    pub async fn records(&self) -> Result<Vec<Record>, RoleError> {
+        let data = self.data.clone();
+        Ok(self.worker.run(move |py| data.records(py)).await??)
+    }
+}
+
+impl Scorer for Services {
+    fn score(&self, request: ScoreRequest) -> RoleFuture<'_, ScoreResponse> {
+        let rewards = self.rewards.clone();
         boxed(async move {
             Ok(self
                 .worker
-                .run(move |py| policy.eos_token_ids(py))
+                .run(move |py| rewards.score(py, &request))
                 .await??)
         })
     }
 }
 
-impl Environments for LocalRoles {
+impl Environments for Services {
     fn start(&self, first_id: u64, starts: Vec<EpisodeStart>) -> RoleFuture<'_, Vec<String>> {
         let environment = self.environment.clone();
         let episodes = self.episodes.clone();
@@ -254,7 +382,7 @@ impl Environments for LocalRoles {
                             live.insert(first_id + offset as u64, episode);
                         }
                     }
-                    Ok::<_, crate::plugins::PluginError>(prompts)
+                    Ok::<_, PluginError>(prompts)
                 })
                 .await??)
         })
@@ -306,7 +434,7 @@ impl Environments for LocalRoles {
 
 type Notify<'a> = Pin<Box<dyn std::future::Future<Output = ()> + Send + 'a>>;
 
-impl LocalRoles {
+impl Services {
     fn notify(
         &self,
         event: impl for<'py> FnOnce(pyo3::Python<'py>, &CallbackSet) + Send + 'static,
@@ -320,7 +448,7 @@ impl LocalRoles {
     }
 }
 
-impl Observer for LocalRoles {
+impl Observer for Services {
     fn run_started(&self, info: RunStarted) -> Notify<'_> {
         self.notify(move |py, callbacks| callbacks.on_run_start(py, &info))
     }

@@ -10,6 +10,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
+use rollout_engine::cluster::ClusterError;
 use rollout_engine::config::{self, ConfigError};
 use rollout_engine::python::{PythonError, PythonSetup, PythonWorker};
 use rollout_engine::session::{Session, SessionError};
@@ -60,6 +61,37 @@ enum Command {
         #[arg(long)]
         limit: Option<usize>,
     },
+    /// Run CONFIG with every role in its own OS process on this machine: the controller here,
+    /// `[cluster] workers` generation workers and `[cluster] trainers` trainer ranks.
+    Launch {
+        config: PathBuf,
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        overrides: Vec<String>,
+        #[arg(long, conflicts_with = "overwrite")]
+        resume: bool,
+        #[arg(long)]
+        overwrite: bool,
+        /// Start no role processes: wait for `rollout worker`/`rollout trainer` processes
+        /// started elsewhere (other machines, torchrun, Slurm, Kubernetes) to connect to
+        /// `[cluster] listen`.
+        #[arg(long)]
+        external_roles: bool,
+    },
+    /// A generation worker of a distributed run: connects to the controller at ADDRESS.
+    Worker {
+        #[command(flatten)]
+        role: RoleOptions,
+    },
+    /// A trainer rank of a distributed run: connects to the controller at ADDRESS. Rank and
+    /// world size default to torchrun's RANK/WORLD_SIZE, or Slurm's SLURM_PROCID/SLURM_NTASKS.
+    Trainer {
+        #[command(flatten)]
+        role: RoleOptions,
+        #[arg(long, env = "RANK")]
+        rank: Option<u32>,
+        #[arg(long, env = "WORLD_SIZE")]
+        world_size: Option<u32>,
+    },
     /// Create the quickstart's tiny model, tokenizer and addition dataset (no downloads).
     InitQuickstart {
         /// Where to write them.
@@ -69,6 +101,55 @@ enum Command {
         #[arg(long)]
         force: bool,
     },
+}
+
+#[derive(Debug, clap::Args)]
+struct RoleOptions {
+    /// The controller's `host:port` (its `[cluster] listen`).
+    #[arg(long, value_name = "ADDRESS")]
+    connect: String,
+    /// A name for logs, unique in the run (default: the host name and process id).
+    #[arg(long)]
+    name: Option<String>,
+    /// Where this process serves weights to other processes (a worker relays them on).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    listen: String,
+    /// A file holding the cluster secret; else `ROLLOUT_CLUSTER_SECRET`.
+    #[arg(long)]
+    secret_file: Option<PathBuf>,
+    /// Keep trying to reach a controller that is not listening yet for this many seconds.
+    #[arg(long, default_value_t = 120.0, value_name = "SECONDS")]
+    connect_retry: f64,
+}
+
+impl RoleOptions {
+    fn into_args(
+        self,
+        rank: u32,
+        world_size: u32,
+    ) -> anyhow::Result<rollout_engine::cluster::serve::RoleArgs> {
+        let key = rollout_engine::cluster::cluster_key(self.secret_file.as_deref())?;
+        let name = self.name.unwrap_or_else(|| {
+            let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+            format!("{}-{}", host.trim(), std::process::id())
+        });
+        Ok(rollout_engine::cluster::serve::RoleArgs {
+            connect: self.connect,
+            name,
+            listen: self.listen,
+            key,
+            rank,
+            world_size,
+            connect_retry: std::time::Duration::from_secs_f64(self.connect_retry.max(0.0)),
+        })
+    }
+}
+
+/// Slurm's task rank and count, when `srun` started this process.
+fn slurm_rank() -> Option<(u32, u32)> {
+    let rank = std::env::var("SLURM_PROCID").ok()?.parse().ok()?;
+    let world = std::env::var("SLURM_NTASKS").ok()?.parse().ok()?;
+    Some((rank, world))
 }
 
 const EXIT_FAILURE: u8 = 1;
@@ -145,6 +226,14 @@ fn exit_code(err: &anyhow::Error) -> u8 {
         {
             return EXIT_INTERRUPTED;
         }
+        if let Some(ClusterError::Run(RunError::Interrupted { .. })) =
+            cause.downcast_ref::<ClusterError>()
+        {
+            return EXIT_INTERRUPTED;
+        }
+        if let Some(ClusterError::Config(_)) = cause.downcast_ref::<ClusterError>() {
+            return EXIT_CONFIG;
+        }
         if let Some(SessionError::Local(rollout_engine::local::LocalError::Load(
             rollout_engine::plugins::PluginLoadError::Config(_),
         ))) = cause.downcast_ref::<SessionError>()
@@ -193,8 +282,105 @@ async fn execute(command: Command) -> anyhow::Result<()> {
             println!("{stats}");
             Ok(())
         }
+        Command::Launch {
+            config,
+            overrides,
+            resume,
+            overwrite,
+            external_roles,
+        } => {
+            let loaded = config::load(&config, &overrides)?;
+            let start = match (resume, overwrite) {
+                (true, _) => Start::Resume,
+                (_, true) => Start::Overwrite,
+                _ => Start::Fresh,
+            };
+            launch(loaded, start, external_roles).await
+        }
+        Command::Worker { role } => {
+            let args = role.into_args(0, 1)?;
+            Ok(rollout_engine::cluster::serve::run_worker(args).await?)
+        }
+        Command::Trainer {
+            role,
+            rank,
+            world_size,
+        } => {
+            let slurm = slurm_rank();
+            let rank = rank.or(slurm.map(|s| s.0)).unwrap_or(0);
+            let world_size = world_size.or(slurm.map(|s| s.1)).unwrap_or(1);
+            anyhow::ensure!(
+                rank < world_size,
+                "trainer rank {rank} is not below the world size {world_size}"
+            );
+            let args = role.into_args(rank, world_size)?;
+            Ok(rollout_engine::cluster::serve::run_trainer(args).await?)
+        }
         Command::InitQuickstart { dir, force } => init_quickstart(dir, force).await,
     }
+}
+
+/// `rollout launch`: the controller in this process and, unless `external_roles`, every
+/// role as a child process of this one.
+async fn launch(
+    loaded: config::LoadedConfig,
+    start: Start,
+    external_roles: bool,
+) -> anyhow::Result<()> {
+    use rollout_engine::cluster::{self, launch::spawn_roles};
+    let cluster_config = &loaded.config.cluster;
+    let secret = match (
+        &cluster_config.secret_file,
+        std::env::var(cluster::SECRET_ENV),
+    ) {
+        (Some(path), _) => std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read the cluster secret {}", path.display()))?,
+        (None, Ok(secret)) => secret,
+        (None, Err(_)) if !external_roles => rollout_net::ClusterKey::random_secret(),
+        (None, Err(_)) => anyhow::bail!(
+            "roles started elsewhere must prove a shared secret: set [cluster] secret_file or {}",
+            cluster::SECRET_ENV
+        ),
+    };
+    let key = rollout_net::ClusterKey::from_secret(secret.as_bytes())?;
+    let listener = rollout_net::link::listen(&cluster_config.listen).await?;
+    let address = listener.local_addr()?;
+    tracing::info!(
+        "{}",
+        cluster::controller::describe_listener(&listener, &loaded.path)
+    );
+    let interrupted = watch_ctrl_c();
+    let mut children = if external_roles {
+        None
+    } else {
+        Some(spawn_roles(
+            cluster_config,
+            address,
+            &secret,
+            tracing::enabled!(tracing::Level::DEBUG),
+        )?)
+    };
+    let run = cluster::controller::run(&loaded, listener, key, start, interrupted);
+    let mut run = std::pin::pin!(run);
+    // A role that exits before the controller shuts it down ends the run at once (its
+    // connection would otherwise only be missed after the heartbeat timeout).
+    let result = match children.as_mut() {
+        None => run.await,
+        Some(roles) => tokio::select! {
+            result = &mut run => result,
+            Some((name, status)) = roles.first_exit() => match status {
+                Ok(status) if status.success() => run.await,
+                Ok(status) => anyhow::bail!("{name} exited with {status}; the run cannot go on"),
+                Err(err) => anyhow::bail!("{name}: {err}"),
+            },
+        },
+    };
+    if let Some(children) = children {
+        children.reap(std::time::Duration::from_secs(30)).await;
+    }
+    let summary = result?;
+    println!("{}", format_summary(&summary));
+    Ok(())
 }
 
 /// The first Ctrl-C asks the run to stop after the current step (and checkpoint); the second

@@ -2,8 +2,9 @@
 //!
 //! The controller (data, advantages, batching, checkpoints) talks to generation, scoring,
 //! training, environments and observers only through these traits, with the message types of
-//! `rollout_net`. [`crate::local::LocalRoles`] implements them all in one process on the
-//! embedded interpreter; a transport can implement them across processes and machines.
+//! `rollout_net`. [`crate::local`] implements them in one process on the embedded
+//! interpreter; [`crate::cluster`] implements them across processes and machines. Nothing
+//! here knows about Python: a role's failure is a [`RoleError`], whoever reports it.
 
 use std::future::Future;
 use std::path::PathBuf;
@@ -11,19 +12,29 @@ use std::pin::Pin;
 
 use rollout_net::messages::{
     GenerateRequest, GenerateResponse, ScoreRequest, ScoreResponse, TrainRequest, TrainResponse,
+    WeightsReport,
 };
-
-use crate::plugins::PluginError;
-use crate::python::PythonError;
 
 pub type RoleFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, RoleError>> + Send + 'a>>;
 
-#[derive(Debug, thiserror::Error)]
+/// Why a role could not do what it was asked: the same for a role in this process and one
+/// on another machine.
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum RoleError {
-    #[error(transparent)]
-    Plugin(#[from] PluginError),
-    #[error(transparent)]
-    Python(#[from] PythonError),
+    /// User code failed: the message names the plugin, its config location and the hook, and
+    /// carries the traceback.
+    #[error("{0}")]
+    Plugin(String),
+    /// The runtime hosting the plugins failed (e.g. the interpreter could not start).
+    #[error("{0}")]
+    Runtime(String),
+    /// The process serving the role died or its connection was lost.
+    #[error("lost {role}: {reason}")]
+    WorkerLost { role: String, reason: String },
+    /// The role did not answer in time.
+    #[error("{role} did not answer within {seconds:.0} s")]
+    TimedOut { role: String, seconds: f64 },
+    /// The role answered something that breaks the contract.
     #[error("{0}")]
     Protocol(String),
 }
@@ -31,6 +42,11 @@ pub enum RoleError {
 pub trait Generator: Send + Sync {
     /// Samples completions with the weights the generator currently holds.
     fn generate(&self, request: GenerateRequest) -> RoleFuture<'_, GenerateResponse>;
+    /// Makes `weights` the version served from the next generation request on (a request
+    /// already running finishes with the version it started with). Returns what each
+    /// generation worker then serves. In-process, the generator shares the learner's
+    /// weights and there is nothing to copy.
+    fn load_weights(&self, weights: WeightsReport) -> RoleFuture<'_, Vec<WeightsReport>>;
 }
 
 pub trait Scorer: Send + Sync {
@@ -44,6 +60,12 @@ pub trait Learner: Send + Sync {
     fn save(&self, directory: PathBuf) -> RoleFuture<'_, ()>;
     /// Restores what `save` wrote; the weights become `weight_version`.
     fn restore(&self, directory: PathBuf, weight_version: u64) -> RoleFuture<'_, ()>;
+    /// Exports the current weights as a version generators can load, in buckets of
+    /// `bucket_bytes`.
+    fn publish_weights(&self, bucket_bytes: u64) -> RoleFuture<'_, WeightsReport>;
+    /// Whether generators need `publish_weights` + `Generator::load_weights` after an update
+    /// (not when they share the learner's weights in one process).
+    fn needs_weight_sync(&self) -> bool;
 }
 
 pub trait Tokenizer: Send + Sync {

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
 use crate::config::LoadedConfig;
-use crate::local::{LocalError, LocalRoles};
+use crate::local::{LocalError, PolicyHost, Services};
 use crate::plugins::Record;
 use crate::python::{PythonError, PythonSetup, PythonWorker};
 use crate::roles::{RoleError, Tokenizer};
@@ -25,7 +25,8 @@ pub enum SessionError {
 /// A config with its plugins loaded and its data read.
 pub struct Session {
     pub loaded: LoadedConfig,
-    pub roles: LocalRoles,
+    pub policy: PolicyHost,
+    pub services: Services,
     pub records: Vec<Record>,
 }
 
@@ -38,27 +39,30 @@ impl Session {
             .map_err(|err| {
                 PythonError::Setup(format!("the Python start-up task failed: {err}"))
             })??;
-        let roles = LocalRoles::load(worker, &loaded).await?;
-        let records = roles.records().await?;
+        let worker = Arc::new(worker);
+        let policy = PolicyHost::load(worker.clone(), &loaded).await?;
+        let services = Services::load(worker, &loaded).await?;
+        let records = services.records().await?;
         Ok(Session {
             loaded,
-            roles,
+            policy,
+            services,
             records,
         })
     }
 
     fn roles(&self) -> Roles<'_> {
         Roles {
-            generator: &self.roles,
-            scorer: &self.roles,
-            learner: &self.roles,
-            tokenizer: &self.roles,
-            environments: if self.roles.has_environment() {
-                Some(&self.roles)
+            generator: &self.policy,
+            scorer: &self.services,
+            learner: &self.policy,
+            tokenizer: &self.policy,
+            environments: if self.services.has_environment() {
+                Some(&self.services)
             } else {
                 None
             },
-            observer: &self.roles,
+            observer: &self.services,
         }
     }
 
@@ -66,7 +70,7 @@ impl Session {
     pub async fn report(&self) -> Result<String, SessionError> {
         let config = &self.loaded.config;
         let prompts: Vec<String> = self.records.iter().map(|r| r.prompt.clone()).collect();
-        let encoded = self.roles.encode(prompts, false).await?;
+        let encoded = self.policy.encode(prompts, false).await?;
         let longest = encoded.iter().map(Vec::len).max().unwrap_or(0);
         if let Some(sft) = &config.sft {
             if let Some(index) = self
@@ -81,7 +85,7 @@ impl Session {
                 .into());
             }
         }
-        let policy = self.roles.describe_policy().await?;
+        let policy = self.policy.describe().await?;
         let rewards: Vec<String> = config
             .rewards
             .iter()
@@ -89,7 +93,7 @@ impl Session {
             .collect();
         let mut lines = vec![
             format!("config OK: {}", self.loaded.path.display()),
-            format!("  policy       {} {policy}", self.roles.policy_spec()),
+            format!("  policy       {} {policy}", self.policy.spec()),
             format!(
                 "  data         {} records, longest prompt {longest} tokens, first prompt {:?}",
                 self.records.len(),

@@ -339,6 +339,8 @@ mod tests {
             role: "generator".into(),
             name: "gen-0".into(),
             version: "0.1.0".into(),
+            credits: 1,
+            info: serde_json::Value::Null,
         }
     }
 
@@ -388,7 +390,7 @@ mod tests {
             assert_eq!(MessageKind::from_u16(kind.as_u16()), Some(kind));
         }
         assert_eq!(MessageKind::from_u16(0), None);
-        assert_eq!(MessageKind::from_u16(11), None);
+        assert_eq!(MessageKind::from_u16(22), None);
     }
 
     #[test]

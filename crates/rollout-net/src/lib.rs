@@ -4,6 +4,8 @@
 //! - [`messages`]: the message types, and [`MessageKind`], the number each travels under.
 //! - [`frame`]: [`Frame`] and [`FrameCodec`], a `tokio_util` codec for any byte stream.
 //! - [`tensor`]: safetensors-shaped tables laying out bulk tensors in a frame's payload.
+//! - [`auth`]: the challenge-response every TCP connection passes before a frame is read.
+//! - [`link`]: authenticated TCP connections with heartbeats, credits and request/response.
 //!
 //! # Frame layout
 //!
@@ -40,10 +42,14 @@
 //! # Ok::<(), rollout_net::FrameError>(())
 //! ```
 
+pub mod auth;
 pub mod frame;
+pub mod link;
 pub mod messages;
 pub mod tensor;
 
+pub use auth::{AuthError, ClusterKey};
 pub use frame::{Frame, FrameCodec, FrameError};
+pub use link::{Link, LinkLimits, NetError, RpcClient, RpcServer};
 pub use messages::{Message, MessageKind};
 pub use tensor::{Dtype, TensorError, TensorMeta, TensorPayloadBuilder, TensorTable};

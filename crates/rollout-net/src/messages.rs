@@ -54,6 +54,11 @@ pub struct PromptRequest {
     /// Per-sample token budgets (`n` of them); empty means `sampling.max_new_tokens` for all.
     #[serde(default)]
     pub max_new_tokens: Vec<u32>,
+    /// The group's sampling seed; without one it is derived from `sampling.seed` and the
+    /// prompt's position in the request. Set, samples do not depend on how a step's prompts
+    /// are split between generation workers.
+    #[serde(default)]
+    pub seed: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -174,8 +179,14 @@ pub struct Hello {
     pub role: String,
     /// A name unique among the run's processes, for logs.
     pub name: String,
-    /// The sending build's version (its `CARGO_PKG_VERSION`), for logs.
+    /// The sending build's version (its `CARGO_PKG_VERSION`); peers must match.
     pub version: String,
+    /// Requests the sender accepts before its peer must wait for answers.
+    #[serde(default)]
+    pub credits: u32,
+    /// Role facts: a trainer's rank and world size, the address a process serves weights on.
+    #[serde(default)]
+    pub info: serde_json::Value,
 }
 
 /// A liveness probe; the receiver answers with a heartbeat carrying the same `seq`.
@@ -218,6 +229,105 @@ impl WeightsUpdate {
     }
 }
 
+/// The controller's answer to a role's `Hello`: the run's resolved config (TOML) and what
+/// this process is to do in it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Welcome {
+    pub config_toml: String,
+    /// Role-specific: e.g. a worker's index among the generation workers.
+    #[serde(default)]
+    pub assignment: serde_json::Value,
+}
+
+/// Tokenizer work for a generation worker (the controller holds no model).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum TokenizerRequest {
+    Encode {
+        texts: Vec<String>,
+        continuation: bool,
+    },
+    Decode {
+        sequences: Vec<Vec<u32>>,
+    },
+    EosTokenIds,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum TokenizerResponse {
+    Ids { ids: Vec<Vec<u32>> },
+    Texts { texts: Vec<String> },
+}
+
+/// Save the trainer state into `directory`, or restore it from there as `weight_version`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum CheckpointRequest {
+    Save {
+        directory: String,
+    },
+    Restore {
+        directory: String,
+        weight_version: u64,
+    },
+}
+
+/// A request finished with nothing to return.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Done {}
+
+/// Asks the trainers to snapshot their current weights for generation workers to pull.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PublishWeights {
+    /// Bytes per bucket of the snapshot.
+    pub bucket_bytes: u64,
+}
+
+/// A weight version: its checksum (BLAKE3 over every tensor's bytes in order), size, and
+/// where it can be pulled from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WeightsReport {
+    pub version: u64,
+    pub checksum: String,
+    pub bytes: u64,
+    /// `host:port` of a weight server holding this version (empty: none, e.g. in-process).
+    #[serde(default)]
+    pub source: String,
+    /// Who reports it (a worker or trainer name).
+    #[serde(default)]
+    pub holder: String,
+}
+
+/// Controller -> generation worker: pull `weights` from `weights.source`, verify every bucket
+/// and the whole version's checksum, and serve it from the next generation request on.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SyncWeights {
+    pub weights: WeightsReport,
+}
+
+/// Asks a weight server for every bucket of `version`, streamed as they become available.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PullWeights {
+    pub version: u64,
+}
+
+/// One bucket of a weight version; `checksum` is the BLAKE3 digest of the frame's payload.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WeightsBucket {
+    pub version: u64,
+    pub index: u32,
+    pub count: u32,
+    pub checksum: String,
+    pub tensors: TensorTable,
+}
+
+/// The controller ends the run: the role exits.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Shutdown {
+    pub reason: String,
+}
+
 /// The type of a frame, written as a `u16` in its preamble. Numbers are part of the wire
 /// protocol: never reuse or renumber one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -233,10 +343,21 @@ pub enum MessageKind {
     TrainRequest = 8,
     TrainResponse = 9,
     WeightsUpdate = 10,
+    Welcome = 11,
+    TokenizerRequest = 12,
+    TokenizerResponse = 13,
+    CheckpointRequest = 14,
+    Done = 15,
+    PublishWeights = 16,
+    WeightsReport = 17,
+    SyncWeights = 18,
+    PullWeights = 19,
+    WeightsBucket = 20,
+    Shutdown = 21,
 }
 
 impl MessageKind {
-    pub const ALL: [MessageKind; 10] = [
+    pub const ALL: [MessageKind; 21] = [
         MessageKind::Hello,
         MessageKind::Heartbeat,
         MessageKind::Error,
@@ -247,6 +368,17 @@ impl MessageKind {
         MessageKind::TrainRequest,
         MessageKind::TrainResponse,
         MessageKind::WeightsUpdate,
+        MessageKind::Welcome,
+        MessageKind::TokenizerRequest,
+        MessageKind::TokenizerResponse,
+        MessageKind::CheckpointRequest,
+        MessageKind::Done,
+        MessageKind::PublishWeights,
+        MessageKind::WeightsReport,
+        MessageKind::SyncWeights,
+        MessageKind::PullWeights,
+        MessageKind::WeightsBucket,
+        MessageKind::Shutdown,
     ];
 
     /// The kind numbered `n`, if there is one.
@@ -270,6 +402,17 @@ impl MessageKind {
             MessageKind::TrainRequest => "TrainRequest",
             MessageKind::TrainResponse => "TrainResponse",
             MessageKind::WeightsUpdate => "WeightsUpdate",
+            MessageKind::Welcome => "Welcome",
+            MessageKind::TokenizerRequest => "TokenizerRequest",
+            MessageKind::TokenizerResponse => "TokenizerResponse",
+            MessageKind::CheckpointRequest => "CheckpointRequest",
+            MessageKind::Done => "Done",
+            MessageKind::PublishWeights => "PublishWeights",
+            MessageKind::WeightsReport => "WeightsReport",
+            MessageKind::SyncWeights => "SyncWeights",
+            MessageKind::PullWeights => "PullWeights",
+            MessageKind::WeightsBucket => "WeightsBucket",
+            MessageKind::Shutdown => "Shutdown",
         }
     }
 }
@@ -304,4 +447,15 @@ impl_message! {
     TrainRequest => TrainRequest,
     TrainResponse => TrainResponse,
     WeightsUpdate => WeightsUpdate,
+    Welcome => Welcome,
+    TokenizerRequest => TokenizerRequest,
+    TokenizerResponse => TokenizerResponse,
+    CheckpointRequest => CheckpointRequest,
+    Done => Done,
+    PublishWeights => PublishWeights,
+    WeightsReport => WeightsReport,
+    SyncWeights => SyncWeights,
+    PullWeights => PullWeights,
+    WeightsBucket => WeightsBucket,
+    Shutdown => Shutdown,
 }

@@ -45,6 +45,16 @@ fn round_trip<M: Message + PartialEq + std::fmt::Debug>(
     assert_eq!(&decoded.decode_message::<M>().unwrap(), message);
 }
 
+fn report() -> WeightsReport {
+    WeightsReport {
+        version: 3,
+        checksum: "ab".repeat(32),
+        bytes: 8,
+        source: "127.0.0.1:9000".into(),
+        holder: "trainer-0".into(),
+    }
+}
+
 fn samples() -> Vec<Frame> {
     let sampling = SamplingParams {
         max_new_tokens: 16,
@@ -77,6 +87,8 @@ fn samples() -> Vec<Frame> {
                 role: "trainer".into(),
                 name: "trainer-0".into(),
                 version: "0.1.0".into(),
+                credits: 16,
+                info: serde_json::json!({"rank": 0, "world_size": 2}),
             },
             Bytes::new(),
         ),
@@ -93,6 +105,7 @@ fn samples() -> Vec<Frame> {
                     prompt_ids: vec![1, 2, 3],
                     n: 4,
                     max_new_tokens: vec![8, 16, 8, 128],
+                    seed: Some(9),
                 }],
                 sampling,
             },
@@ -161,7 +174,60 @@ fn samples() -> Vec<Frame> {
             },
             Bytes::new(),
         ),
-        Frame::from_message(&weights, payload),
+        Frame::from_message(&weights, payload.clone()),
+        Frame::from_message(
+            &Welcome {
+                config_toml: "[run]\nsteps = 3\n".into(),
+                assignment: serde_json::json!({"index": 1}),
+            },
+            Bytes::new(),
+        ),
+        Frame::from_message(
+            &TokenizerRequest::Encode {
+                texts: vec!["1+1=".into()],
+                continuation: false,
+            },
+            Bytes::new(),
+        ),
+        Frame::from_message(
+            &TokenizerResponse::Ids {
+                ids: vec![vec![1, 2]],
+            },
+            Bytes::new(),
+        ),
+        Frame::from_message(
+            &CheckpointRequest::Restore {
+                directory: "runs/x/checkpoints/step-00000002/policy".into(),
+                weight_version: 2,
+            },
+            Bytes::new(),
+        ),
+        Frame::from_message(&Done {}, Bytes::new()),
+        Frame::from_message(
+            &PublishWeights {
+                bucket_bytes: 1 << 20,
+            },
+            Bytes::new(),
+        ),
+        Frame::from_message(&report(), Bytes::new()),
+        Frame::from_message(&SyncWeights { weights: report() }, Bytes::new()),
+        Frame::from_message(&PullWeights { version: 3 }, Bytes::new()),
+        Frame::from_message(
+            &WeightsBucket {
+                version: 3,
+                index: 0,
+                count: 1,
+                checksum: checksum(&payload),
+                tensors: weights.tensors.clone(),
+            },
+            payload,
+        ),
+        Frame::from_message(
+            &Shutdown {
+                reason: "the run finished".into(),
+            },
+            Bytes::new(),
+        ),
     ];
     frames.into_iter().map(Result::unwrap).collect()
 }
@@ -185,7 +251,10 @@ fn every_kind_round_trips_back_to_back() {
 
 #[test]
 fn weights_update_payload_checks() {
-    let frame = samples().pop().unwrap();
+    let frame = samples()
+        .into_iter()
+        .find(|f| f.kind == MessageKind::WeightsUpdate)
+        .unwrap();
     let update = frame.decode_message::<WeightsUpdate>().unwrap();
     let tensors = update.tensor_bytes(&frame.payload).unwrap();
     assert_eq!(tensors.len(), 1);
@@ -266,7 +335,7 @@ fn json_value() -> impl Strategy<Value = serde_json::Value> {
 
 prop_compose! {
     fn hello()(role in ".*", name in ".*", version in ".*") -> Hello {
-        Hello { role, name, version }
+        Hello { role, name, version, credits: 4, info: serde_json::Value::Null }
     }
 }
 
@@ -301,7 +370,7 @@ prop_compose! {
     ) -> GenerateRequest {
         let prompts = prompts
             .into_iter()
-            .map(|(prompt_ids, n, max_new_tokens)| PromptRequest { prompt_ids, n, max_new_tokens })
+            .map(|(prompt_ids, n, max_new_tokens)| PromptRequest { prompt_ids, n, max_new_tokens, seed: None })
             .collect();
         GenerateRequest { prompts, sampling }
     }

@@ -19,6 +19,7 @@ fn request() -> GenerateRequest {
             prompt_ids: vec![101, 2023, 2003],
             n: 2,
             max_new_tokens: vec![],
+            seed: None,
         }],
         sampling: SamplingParams {
             max_new_tokens: 32,

@@ -74,6 +74,16 @@ pub fn load(path: &Path, overrides: &[String]) -> Result<LoadedConfig, ConfigErr
         path: path.to_path_buf(),
         source,
     })?;
+    load_text(path, text, overrides)
+}
+
+/// Parses and validates config `text`; `path` names it in errors (e.g. the controller that
+/// sent a role its run's resolved config).
+pub fn load_text(
+    path: &Path,
+    text: String,
+    overrides: &[String],
+) -> Result<LoadedConfig, ConfigError> {
     let mut config: Config =
         toml::from_str(&text).map_err(|err| located_toml_error(path, &text, &err))?;
     let mut overridden = Vec::new();

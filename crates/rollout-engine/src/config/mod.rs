@@ -5,7 +5,7 @@ mod location;
 mod schema;
 mod validate;
 
-pub use load::{ConfigError, LoadedConfig, load, suggest, with_suggestion};
+pub use load::{ConfigError, LoadedConfig, load, load_text, suggest, with_suggestion};
 pub use location::{KeyPath, Location, Segment};
 pub use schema::*;
 

@@ -32,6 +32,10 @@ pub struct Config {
     pub sft: Option<SftConfig>,
     #[serde(default)]
     pub checkpoint: CheckpointConfig,
+    /// Separate processes for generation and training (`rollout launch`); `rollout run`
+    /// ignores it.
+    #[serde(default)]
+    pub cluster: ClusterConfig,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
@@ -324,6 +328,75 @@ pub struct CheckpointConfig {
 impl Default for CheckpointConfig {
     fn default() -> Self {
         Self { every: 0, keep: 2 }
+    }
+}
+
+/// A run whose roles are separate processes, on one machine or many (`rollout launch`).
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClusterConfig {
+    /// Generation worker processes.
+    pub workers: u32,
+    /// Data-parallel trainer ranks (one torch.distributed process group).
+    pub trainers: u32,
+    /// Where the controller listens for roles. Loopback unless set otherwise; port 0 picks
+    /// a free one (fine when `rollout launch` starts every role itself).
+    pub listen: String,
+    /// A file holding the cluster secret every connection must prove (at least 16 bytes).
+    /// Without it, the `ROLLOUT_CLUSTER_SECRET` environment variable; `rollout launch` makes
+    /// a random one for the processes it starts when neither is set.
+    pub secret_file: Option<PathBuf>,
+    /// How many policy versions behind the trainer a trained sample may have been generated.
+    /// Generation for later steps overlaps training when > 0; 0 is synchronous.
+    pub max_staleness: u64,
+    /// Seconds between heartbeats on every connection.
+    pub heartbeat_seconds: f64,
+    /// A peer silent for this many seconds is lost.
+    pub peer_timeout_seconds: f64,
+    /// Seconds the controller waits for every role to connect and load.
+    pub join_timeout_seconds: f64,
+    /// Bytes per weight-sync bucket.
+    pub weight_bucket_bytes: u64,
+    /// torch.distributed backend of the trainers: "gloo", "nccl", or "auto" (NCCL when CUDA
+    /// is available).
+    pub backend: String,
+    /// Gradient all-reduce precision: "none" (float32), "fp16" or "bf16" (half the bytes).
+    pub gradient_compression: GradientCompression,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        Self {
+            workers: 1,
+            trainers: 1,
+            listen: "127.0.0.1:0".into(),
+            secret_file: None,
+            max_staleness: 0,
+            heartbeat_seconds: 2.0,
+            peer_timeout_seconds: 60.0,
+            join_timeout_seconds: 300.0,
+            weight_bucket_bytes: 16 << 20,
+            backend: "auto".into(),
+            gradient_compression: GradientCompression::None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GradientCompression {
+    None,
+    Fp16,
+    Bf16,
+}
+
+impl GradientCompression {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GradientCompression::None => "none",
+            GradientCompression::Fp16 => "fp16",
+            GradientCompression::Bf16 => "bf16",
+        }
     }
 }
 

@@ -89,6 +89,43 @@ pub fn validate(loaded: &LoadedConfig) -> Result<(), ConfigError> {
         "checkpoint.keep",
         "must be at least 1",
     )?;
+    let cluster = &config.cluster;
+    check(
+        cluster.workers >= 1,
+        "cluster.workers",
+        "must be at least 1",
+    )?;
+    check(
+        cluster.trainers >= 1,
+        "cluster.trainers",
+        "must be at least 1",
+    )?;
+    check(
+        cluster.heartbeat_seconds.is_finite() && cluster.heartbeat_seconds > 0.0,
+        "cluster.heartbeat_seconds",
+        "must be > 0",
+    )?;
+    check(
+        cluster.peer_timeout_seconds.is_finite()
+            && cluster.peer_timeout_seconds > 2.0 * cluster.heartbeat_seconds,
+        "cluster.peer_timeout_seconds",
+        "must be more than twice cluster.heartbeat_seconds",
+    )?;
+    check(
+        cluster.join_timeout_seconds.is_finite() && cluster.join_timeout_seconds > 0.0,
+        "cluster.join_timeout_seconds",
+        "must be > 0",
+    )?;
+    check(
+        cluster.weight_bucket_bytes >= 1024,
+        "cluster.weight_bucket_bytes",
+        "must be at least 1024",
+    )?;
+    check(
+        ["auto", "gloo", "nccl"].contains(&cluster.backend.as_str()),
+        "cluster.backend",
+        "must be \"auto\", \"gloo\" or \"nccl\"",
+    )?;
     if config.rewards.is_empty() && config.environment.is_none() {
         return Err(loaded.error_at(
             &KeyPath::default(),

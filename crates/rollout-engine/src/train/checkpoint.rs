@@ -97,15 +97,53 @@ impl CheckpointStore {
         self.root.join(format!("step-{step:08}"))
     }
 
-    /// Starts a checkpoint for `step`, discarding any partial one a crash left behind.
+    /// Keep in sync with [`partial_step`].
+    fn partial_dir(&self, step: u64) -> PathBuf {
+        self.root.join(format!("step-{step:08}{PARTIAL_SUFFIX}"))
+    }
+
+    /// Starts a checkpoint for `step`, first discarding every partial checkpoint a crash or a
+    /// failed write (e.g. a full disk) left behind, whatever its step.
     pub fn begin(&self, step: u64) -> Result<PendingCheckpoint, CheckpointError> {
         fs::create_dir_all(&self.root).map_err(io(&self.root))?;
-        let partial = PathBuf::from(format!("{}{PARTIAL_SUFFIX}", self.step_dir(step).display()));
-        if partial.exists() {
-            fs::remove_dir_all(&partial).map_err(io(&partial))?;
-        }
+        self.remove_stale_partials()?;
+        let partial = self.partial_dir(step);
         fs::create_dir_all(partial.join("policy")).map_err(io(&partial))?;
         Ok(PendingCheckpoint { partial, step })
+    }
+
+    /// Removes the `step-NNNNNNNN.partial/` directories in this store: checkpoints that were
+    /// never committed and that resume never reads. Only directories whose name the store
+    /// itself produces are touched; anything else in the directory is left alone. Returns what
+    /// was removed.
+    pub fn remove_stale_partials(&self) -> Result<Vec<PathBuf>, CheckpointError> {
+        let entries = match fs::read_dir(&self.root) {
+            Ok(entries) => entries,
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(err) => return Err(io(&self.root)(err)),
+        };
+        let mut stale = Vec::new();
+        for entry in entries {
+            let entry = entry.map_err(io(&self.root))?;
+            // `DirEntry::file_type` does not follow symlinks: a link is never removed.
+            let is_dir = entry.file_type().map_err(io(&entry.path()))?.is_dir();
+            let is_partial = entry.file_name().to_str().and_then(partial_step).is_some();
+            if is_dir && is_partial {
+                stale.push(entry.path());
+            }
+        }
+        stale.sort();
+        for dir in &stale {
+            fs::remove_dir_all(dir).map_err(io(dir))?;
+            tracing::warn!(
+                "removed the partial checkpoint {} left by an earlier write that did not complete",
+                dir.display()
+            );
+        }
+        if !stale.is_empty() {
+            sync_dir(&self.root)?;
+        }
+        Ok(stale)
     }
 
     /// Seals `pending` with `state`, makes it the latest and prunes old checkpoints.
@@ -158,8 +196,13 @@ impl CheckpointStore {
     }
 
     /// The newest checkpoint that verifies: the one `latest` names, else the highest step.
-    /// Invalid ones are reported and skipped.
+    /// Invalid ones are reported and skipped. Resume calls this, so it also clears partial
+    /// checkpoints left by an earlier run (a failure to do so is reported, not fatal: `begin`
+    /// tries again and fails if it still cannot).
     pub fn latest_valid(&self) -> Result<Option<Checkpoint>, CheckpointError> {
+        if let Err(err) = self.remove_stale_partials() {
+            tracing::warn!("cannot clear partial checkpoints: {err}");
+        }
         let mut candidates = self.complete_steps()?;
         candidates.reverse();
         if let Ok(name) = fs::read_to_string(self.root.join(LATEST)) {
@@ -203,6 +246,17 @@ impl CheckpointStore {
         }
         Ok(())
     }
+}
+
+/// The step of `name` if it is exactly the name [`CheckpointStore::begin`] gives the partial
+/// directory of that step (`step-00000003.partial`, not `step-3.partial`).
+fn partial_step(name: &str) -> Option<u64> {
+    let digits = name.strip_prefix("step-")?.strip_suffix(PARTIAL_SUFFIX)?;
+    if !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let step: u64 = digits.parse().ok()?;
+    (format!("step-{step:08}{PARTIAL_SUFFIX}") == name).then_some(step)
 }
 
 /// Checks every file of the manifest (size and hash) and reads the run state.
@@ -394,6 +448,81 @@ mod tests {
         let dir = write_checkpoint(&store, 3, b"new");
         assert_eq!(fs::read(dir.join("policy/weights.bin")).unwrap(), b"new");
         assert!(verify(&dir).is_ok());
+    }
+
+    #[test]
+    fn stale_partial_of_another_step_is_removed_before_the_next_checkpoint() {
+        // A checkpoint write for step 3 failed midway (e.g. disk full); the run later
+        // checkpoints a different step, which must not leave step 3's files in place.
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("checkpoints");
+        let stale = root.join("step-00000003.partial");
+        fs::create_dir_all(stale.join("policy")).unwrap();
+        fs::write(stale.join("policy/weights.bin"), b"half written").unwrap();
+        let store = CheckpointStore::new(root.clone(), 3);
+        let dir = write_checkpoint(&store, 5, b"five");
+        assert!(!stale.exists(), "stale partial checkpoint survived");
+        assert_eq!(verify(&dir).unwrap().step, 5);
+        assert_eq!(store.latest_valid().unwrap().unwrap().state.step, 5);
+    }
+
+    #[test]
+    fn resume_removes_stale_partials_and_keeps_everything_else() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("checkpoints");
+        let store = CheckpointStore::new(root.clone(), 3);
+        write_checkpoint(&store, 2, b"two");
+        for stale in ["step-00000003.partial", "step-123456789.partial"] {
+            fs::create_dir_all(root.join(stale).join("policy")).unwrap();
+            fs::write(root.join(stale).join("policy/weights.bin"), b"x").unwrap();
+        }
+        // Not names the store gives its partial directories, or not directories.
+        for foreign in [
+            "step-3.partial",
+            "notes.partial",
+            "step-00000004.partial.bak",
+        ] {
+            fs::create_dir_all(root.join(foreign)).unwrap();
+        }
+        fs::write(root.join("step-00000005.partial"), b"a file").unwrap();
+        // A link is not the store's own directory: neither it nor its target is touched.
+        let outside = tmp.path().join("outside");
+        fs::create_dir_all(&outside).unwrap();
+        fs::write(outside.join("keep.bin"), b"k").unwrap();
+        #[cfg(unix)]
+        std::os::unix::fs::symlink(&outside, root.join("step-00000006.partial")).unwrap();
+
+        let latest = store.latest_valid().unwrap().unwrap();
+        assert_eq!(latest.state.step, 2);
+        assert!(!root.join("step-00000003.partial").exists());
+        assert!(!root.join("step-123456789.partial").exists());
+        for kept in [
+            "step-3.partial",
+            "notes.partial",
+            "step-00000004.partial.bak",
+            "step-00000005.partial",
+            "step-00000002",
+        ] {
+            assert!(root.join(kept).exists(), "{kept} was removed");
+        }
+        assert!(outside.join("keep.bin").exists());
+        #[cfg(unix)]
+        assert!(root.join("step-00000006.partial").is_symlink());
+        assert!(store.remove_stale_partials().unwrap().is_empty());
+    }
+
+    #[test]
+    fn partial_names_round_trip() {
+        assert_eq!(partial_step("step-00000003.partial"), Some(3));
+        assert_eq!(partial_step("step-123456789.partial"), Some(123_456_789));
+        assert_eq!(partial_step("step-3.partial"), None);
+        assert_eq!(partial_step("step-+0000003.partial"), None);
+        assert_eq!(partial_step("step-.partial"), None);
+        assert_eq!(partial_step("step-00000003"), None);
+        assert_eq!(partial_step("step-00000003.retired"), None);
+        let store = CheckpointStore::new(PathBuf::from("c"), 1);
+        let name = store.partial_dir(42).file_name().unwrap().to_owned();
+        assert_eq!(partial_step(name.to_str().unwrap()), Some(42));
     }
 
     #[test]

@@ -11,6 +11,8 @@ mod batching;
 mod checkpoint;
 mod cursor;
 mod metrics;
+mod pipeline;
+mod sampler;
 mod state;
 
 use std::path::{Path, PathBuf};
@@ -18,19 +20,17 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-use rollout_net::messages::{
-    FinishReason, GenerateRequest, Objective, PromptRequest, SamplingParams, ScoreRequest,
-    ScoreSample, TrainRequest,
-};
+use rollout_net::messages::{FinishReason, Objective, TrainRequest};
 use serde_json::{Map, Value, json};
 
 use crate::config::{Config, SftConfig};
-use crate::generation::merge_metrics;
 use crate::plugins::Record;
 use crate::roles::{
-    Environments, EpisodeStart, Generator, Learner, Observer, RoleError, RunStarted, Scorer,
-    Tokenizer,
+    Environments, Generator, Learner, Observer, RoleError, RunStarted, Scorer, Tokenizer,
 };
+
+use pipeline::{Pipeline, StepSamples};
+use sampler::{Collected, Sampler, Trajectory};
 
 pub use advantage::group_advantages;
 pub use batch::{PackingStats, TrainSequence, micro_batches};
@@ -76,6 +76,7 @@ pub enum Start {
 }
 
 /// The roles a run drives.
+#[derive(Clone, Copy)]
 pub struct Roles<'a> {
     pub generator: &'a dyn Generator,
     pub scorer: &'a dyn Scorer,
@@ -98,22 +99,6 @@ pub struct Summary {
 /// Steps averaged at each end of the run for the summary.
 const SUMMARY_WINDOW: usize = 10;
 
-type GeneratorMetrics = std::collections::BTreeMap<String, f64>;
-
-/// A step's samples with their rewards and advantages.
-struct Collected {
-    trajectories: Vec<Trajectory>,
-    completions: Vec<String>,
-    rewards: Vec<f64>,
-    components: Vec<rollout_net::messages::RewardComponent>,
-    advantages: Vec<f64>,
-    zero_std_groups: usize,
-    generate_seconds: f64,
-    score_seconds: f64,
-    /// The generator's own measurements, merged over the step's generation requests.
-    generator_metrics: GeneratorMetrics,
-}
-
 /// What `rollout generate` produced: the completions, their texts (flattened in request
 /// order) and the wall time of the generation request.
 #[derive(Debug, Clone)]
@@ -132,42 +117,10 @@ pub struct DryRun {
     pub seconds: f64,
 }
 
-/// One sampled episode, token-exact: everything the policy generated and the context around.
-#[derive(Debug, Clone)]
-struct Trajectory {
-    group: usize,
-    record: usize,
-    /// The episode's first prompt when an environment wrote it (else the record's prompt).
-    episode_prompt: Option<String>,
-    tokens: Vec<u32>,
-    loss_mask: Vec<bool>,
-    logprobs: Vec<f32>,
-    prompt_len: usize,
-    finish_reason: FinishReason,
-    env_return: f64,
-    weight_version: u64,
-}
-
-impl Trajectory {
-    fn prompt<'r>(&'r self, records: &'r [Record]) -> &'r str {
-        self.episode_prompt
-            .as_deref()
-            .unwrap_or(&records[self.record].prompt)
-    }
-
-    fn generated_tokens(&self) -> usize {
-        self.loss_mask.iter().filter(|&&m| m).count()
-    }
-}
-
 pub struct Controller<'a> {
     config: &'a Config,
     roles: Roles<'a>,
-    records: Vec<Record>,
-    prompt_ids: Vec<Vec<u32>>,
-    /// Per-record, per-sample token budgets from `rollout.max_new_tokens_field` (empty: the
-    /// configured `max_new_tokens`).
-    budgets: Vec<Vec<u32>>,
+    sampler: Sampler<'a>,
     store: CheckpointStore,
     state: RunState,
     interrupted: Arc<AtomicBool>,
@@ -188,9 +141,13 @@ impl<'a> Controller<'a> {
         Controller {
             config,
             roles,
-            records,
-            prompt_ids: Vec::new(),
-            budgets: Vec::new(),
+            sampler: Sampler {
+                config,
+                roles,
+                records: Arc::new(records),
+                prompt_ids: Arc::default(),
+                budgets: Arc::default(),
+            },
             store,
             state: RunState::new(config.run.seed),
             interrupted,
@@ -224,15 +181,14 @@ impl<'a> Controller<'a> {
         } else {
             None
         };
-        self.prompt_ids = self
-            .roles
-            .tokenizer
-            .encode(
-                self.records.iter().map(|r| r.prompt.clone()).collect(),
-                false,
-            )
-            .await?;
-        self.budgets = self.token_budgets()?;
+        self.sampler.prepare(usize::MAX).await?;
+        tracing::info!(
+            "run `{}`: {} RL steps from step {}, output in {}",
+            self.config.run.name,
+            self.config.run.steps,
+            self.state.step,
+            self.config.run.output_dir.display()
+        );
         self.roles
             .observer
             .run_started(RunStarted {
@@ -253,14 +209,44 @@ impl<'a> Controller<'a> {
             }
         }
         let mut cursor = DataCursor::new(
-            self.records.len(),
+            self.sampler.records.len(),
             mix(self.config.run.seed, 1),
             self.config.data.shuffle,
             self.state.data,
         );
+        self.sync_generators_now().await?;
+        let sampler = self.sampler.clone();
+        let mut pipeline = Pipeline::default();
+        // Where the data cursor stands after each step's prompts were drawn.
+        let mut positions = std::collections::BTreeMap::new();
+        let mut next_step = self.state.step + 1;
+        let mut last_step_end = Instant::now();
         while self.state.step < self.config.run.steps && !self.stopping() {
-            let step = self.state.step + 1;
-            let (mut line, logged) = self.rl_step(step, &mut cursor).await?;
+            while next_step <= self.config.run.steps
+                && next_step <= self.state.step + 1 + self.max_staleness()
+            {
+                let records = cursor.take(self.config.rollout.prompts_per_step);
+                let position = cursor.position();
+                positions.insert(next_step, position);
+                let seed = mix(self.config.run.seed, 1000 + next_step);
+                let (sampler, step) = (&sampler, next_step);
+                pipeline.start(async move {
+                    let collected = sampler.collect(&records, seed).await;
+                    StepSamples {
+                        step,
+                        epoch: position.epoch,
+                        records,
+                        collected,
+                    }
+                });
+                next_step += 1;
+            }
+            let Some(sampled) = pipeline.next_samples().await? else {
+                break;
+            };
+            let step = sampled.step;
+            let (mut line, logged) = self.rl_step(sampled, &mut pipeline, last_step_end).await?;
+            last_step_end = Instant::now();
             if let Some(fields) = line.as_object_mut() {
                 fields.insert(
                     "elapsed_seconds".into(),
@@ -275,7 +261,9 @@ impl<'a> Controller<'a> {
                 }
             }
             self.state.step = step;
-            self.state.data = cursor.position();
+            if let Some(position) = positions.remove(&step) {
+                self.state.data = position;
+            }
             if let Some(reward) = line.get("reward_mean").and_then(Value::as_f64) {
                 self.state.reward_history.push(reward);
             }
@@ -288,6 +276,7 @@ impl<'a> Controller<'a> {
                 self.checkpoint().await?;
             }
         }
+        pipeline.finish_loading().await?;
         let checkpoint_is_current = self
             .last_checkpoint
             .as_ref()
@@ -303,6 +292,36 @@ impl<'a> Controller<'a> {
             });
         }
         Ok(summary)
+    }
+
+    /// Versions a trained sample may lag: 0 unless generators hold their own weights.
+    fn max_staleness(&self) -> u64 {
+        if self.roles.learner.needs_weight_sync() {
+            self.config.cluster.max_staleness
+        } else {
+            0
+        }
+    }
+
+    /// Brings the generators to the learner's current weights and waits for them (at the
+    /// start, after the warm start and after a resume).
+    async fn sync_generators_now(&mut self) -> Result<(), RunError> {
+        if !self.roles.learner.needs_weight_sync() {
+            return Ok(());
+        }
+        let published = self
+            .roles
+            .learner
+            .publish_weights(self.config.cluster.weight_bucket_bytes)
+            .await?;
+        let served = self.roles.generator.load_weights(published.clone()).await?;
+        tracing::info!(
+            "generators serve weight version {} (checksum {}, {} workers)",
+            published.version,
+            &published.checksum[..published.checksum.len().min(16)],
+            served.len()
+        );
+        Ok(())
     }
 
     fn stopping(&self) -> bool {
@@ -404,8 +423,9 @@ impl<'a> Controller<'a> {
         sft: &SftConfig,
         resumed: bool,
     ) -> Result<(), RunError> {
-        let mut targets = Vec::with_capacity(self.records.len());
-        for (index, record) in self.records.iter().enumerate() {
+        let records = self.sampler.records.clone();
+        let mut targets = Vec::with_capacity(records.len());
+        for (index, record) in records.iter().enumerate() {
             match record.fields.get(&sft.completion_key) {
                 Some(Value::String(text)) => targets.push(text.clone()),
                 Some(other) => targets.push(other.to_string()),
@@ -434,9 +454,9 @@ impl<'a> Controller<'a> {
         let mut log = MetricsLog::open(&log_path, resumed.then_some(self.state.sft_step))
             .map_err(|source| io_error("cannot open", &log_path, source))?;
         let mut cursor = DataCursor::new(
-            self.records.len(),
+            records.len(),
             mix(self.config.run.seed, 2),
-            true,
+            self.config.data.shuffle,
             self.state.sft_data,
         );
         let report_every = (sft.steps / 10).max(1);
@@ -446,7 +466,7 @@ impl<'a> Controller<'a> {
                 .take(sft.batch_size)
                 .into_iter()
                 .map(|index| {
-                    let prompt = &self.prompt_ids[index];
+                    let prompt = &self.sampler.prompt_ids[index];
                     let completion = &completions[index];
                     let tokens: Vec<u32> = prompt.iter().chain(completion).copied().collect();
                     TrainSequence {
@@ -499,99 +519,13 @@ impl<'a> Controller<'a> {
         Ok(())
     }
 
-    fn sampling(&self, seed: u64) -> SamplingParams {
-        let rollout = &self.config.rollout;
-        SamplingParams {
-            max_new_tokens: rollout.max_new_tokens,
-            temperature: rollout.temperature,
-            top_p: rollout.top_p,
-            top_k: rollout.top_k,
-            stop_token_ids: rollout.stop_token_ids.clone(),
-            stop_strings: rollout.stop_strings.clone(),
-            ignore_eos: rollout.ignore_eos,
-            seed,
-        }
-    }
-
-    /// Generates, scores and computes advantages for `records` (one group each).
-    async fn collect(&self, records: &[usize], seed: u64) -> Result<Collected, RunError> {
-        let started = Instant::now();
-        let (trajectories, generator_metrics) = match self.roles.environments {
-            Some(environments) => self.run_episodes(environments, records, seed).await?,
-            None => self.sample_completions(records, seed).await?,
-        };
-        let generate_seconds = started.elapsed().as_secs_f64();
-
-        let scoring = Instant::now();
-        let completions = self
-            .roles
-            .tokenizer
-            .decode(
-                trajectories
-                    .iter()
-                    .map(|t| t.tokens[t.prompt_len..].to_vec())
-                    .collect(),
-            )
-            .await?;
-        let samples = trajectories
-            .iter()
-            .zip(&completions)
-            .map(|(trajectory, completion)| ScoreSample {
-                prompt: trajectory.prompt(&self.records).to_owned(),
-                completion: completion.clone(),
-                record: self.records[trajectory.record].fields.clone(),
-                finish_reason: trajectory.finish_reason,
-            })
-            .collect();
-        let scores = self.roles.scorer.score(ScoreRequest { samples }).await?;
-        let rewards: Vec<f64> = trajectories
-            .iter()
-            .zip(&scores.totals)
-            .map(|(trajectory, total)| total + trajectory.env_return)
-            .collect();
-        let score_seconds = scoring.elapsed().as_secs_f64();
-
-        let algorithm = &self.config.algorithm;
-        let mut advantages = vec![0.0; trajectories.len()];
-        let mut zero_std_groups = 0;
-        for group in 0..records.len() {
-            let members: Vec<usize> = (0..trajectories.len())
-                .filter(|&i| trajectories[i].group == group)
-                .collect();
-            let group_rewards: Vec<f64> = members.iter().map(|&i| rewards[i]).collect();
-            if group_rewards.windows(2).all(|w| w[0] == w[1]) {
-                zero_std_groups += 1;
-            }
-            for (&i, advantage) in members.iter().zip(group_advantages(
-                &group_rewards,
-                algorithm.advantage,
-                algorithm.std_eps,
-            )) {
-                advantages[i] = advantage;
-            }
-        }
-        Ok(Collected {
-            trajectories,
-            completions,
-            rewards,
-            components: scores.components,
-            advantages,
-            zero_std_groups,
-            generate_seconds,
-            score_seconds,
-            generator_metrics,
-        })
-    }
-
     /// Samples and scores the first prompt's group without training, for `rollout check`.
     pub async fn dry_run(&mut self) -> Result<DryRun, RunError> {
-        self.prompt_ids = self
-            .roles
-            .tokenizer
-            .encode(vec![self.records[0].prompt.clone()], false)
+        self.sampler.prepare(1).await?;
+        let collected = self
+            .sampler
+            .collect(&[0], mix(self.config.run.seed, 999))
             .await?;
-        self.budgets = self.token_budgets()?;
-        let collected = self.collect(&[0], mix(self.config.run.seed, 999)).await?;
         let generated_tokens = collected
             .trajectories
             .iter()
@@ -608,22 +542,14 @@ impl<'a> Controller<'a> {
     /// Completes the first `limit` records (all when `None`) `group_size` times each in one
     /// generation request, without training: for evaluation and generation benchmarks.
     pub async fn generate_all(&mut self, limit: Option<usize>) -> Result<Generated, RunError> {
-        let count = limit.unwrap_or(self.records.len()).min(self.records.len());
-        self.prompt_ids = self
-            .roles
-            .tokenizer
-            .encode(
-                self.records[..count]
-                    .iter()
-                    .map(|r| r.prompt.clone())
-                    .collect(),
-                false,
-            )
-            .await?;
-        self.budgets = self.token_budgets()?;
+        let total = self.sampler.records.len();
+        let count = limit.unwrap_or(total).min(total);
+        self.sampler.prepare(count).await?;
         let records: Vec<usize> = (0..count).collect();
         let started = Instant::now();
-        let request = self.generate_request(&records, mix(self.config.run.seed, 998));
+        let request = self
+            .sampler
+            .generate_request(&records, mix(self.config.run.seed, 998));
         let response = self.roles.generator.generate(request).await?;
         let seconds = started.elapsed().as_secs_f64();
         let flat: Vec<Vec<u32>> = response
@@ -641,15 +567,24 @@ impl<'a> Controller<'a> {
     }
 
     /// One RL step; returns its metrics line and the samples to log.
-    async fn rl_step(
+    /// Trains on one step's samples (sampling of later steps goes on meanwhile) and sends
+    /// the new weights to the generators. `started` is when the previous step ended.
+    async fn rl_step<'s>(
         &mut self,
-        step: u64,
-        cursor: &mut DataCursor,
-    ) -> Result<(Value, Vec<Value>), RunError> {
-        let started = Instant::now();
+        samples: StepSamples,
+        pipeline: &mut Pipeline<'s>,
+        started: Instant,
+    ) -> Result<(Value, Vec<Value>), RunError>
+    where
+        'a: 's,
+    {
         let rollout = &self.config.rollout;
-        let records = cursor.take(rollout.prompts_per_step);
-        let seed = mix(self.config.run.seed, 1000 + step);
+        let StepSamples {
+            step,
+            epoch,
+            records,
+            collected,
+        } = samples;
         let Collected {
             trajectories,
             completions,
@@ -660,8 +595,22 @@ impl<'a> Controller<'a> {
             generate_seconds,
             score_seconds,
             generator_metrics,
-        } = self.collect(&records, seed).await?;
+        } = collected?;
         let algorithm = &self.config.algorithm;
+        let trained_version = self.state.weight_version;
+        let staleness: Vec<u64> = trajectories
+            .iter()
+            .map(|t| trained_version.saturating_sub(t.weight_version))
+            .collect();
+        let max_staleness = staleness.iter().copied().max().unwrap_or(0);
+        if max_staleness > self.max_staleness() {
+            return Err(RunError::Data(format!(
+                "step {step}: a sample generated with weights {} is {max_staleness} versions \
+                 behind the trainer ({trained_version}), past cluster.max_staleness = {}",
+                trained_version - max_staleness,
+                self.max_staleness()
+            )));
+        }
 
         let training = Instant::now();
         let sequences: Vec<TrainSequence> = trajectories
@@ -692,16 +641,32 @@ impl<'a> Controller<'a> {
             skip_zero,
         );
         let learning_rate = self.learning_rate(self.state.weight_version);
-        let response = self
-            .roles
-            .learner
-            .train(TrainRequest {
+        let response = pipeline
+            .while_running(self.roles.learner.train(TrainRequest {
                 micro_batches: batches,
                 learning_rate,
-            })
-            .await?;
+            }))
+            .await??;
         self.state.weight_version = response.weight_version;
         let train_seconds = training.elapsed().as_secs_f64();
+        let sync_started = Instant::now();
+        if self.roles.learner.needs_weight_sync() {
+            // A trainer serves one version at a time: the previous one must have reached
+            // every generator before the next replaces it.
+            pipeline.finish_loading().await?;
+            let published = pipeline
+                .while_running(
+                    self.roles
+                        .learner
+                        .publish_weights(self.config.cluster.weight_bucket_bytes),
+                )
+                .await??;
+            pipeline.load(self.roles.generator.load_weights(published));
+            if self.max_staleness() == 0 {
+                pipeline.finish_loading().await?;
+            }
+        }
+        let weight_sync_seconds = sync_started.elapsed().as_secs_f64();
 
         let step_seconds = started.elapsed().as_secs_f64();
         let generated: Vec<usize> = trajectories
@@ -730,7 +695,7 @@ impl<'a> Controller<'a> {
         line.insert("completions".into(), json!(trajectories.len()));
         let prompt_tokens: usize = records
             .iter()
-            .map(|&r| self.prompt_ids.get(r).map_or(0, Vec::len))
+            .map(|&r| self.sampler.prompt_ids.get(r).map_or(0, Vec::len))
             .sum();
         line.insert("prompt_tokens".into(), json!(prompt_tokens));
         line.insert(
@@ -770,6 +735,12 @@ impl<'a> Controller<'a> {
         line.insert("generate_seconds".into(), json!(generate_seconds));
         line.insert("score_seconds".into(), json!(score_seconds));
         line.insert("train_seconds".into(), json!(train_seconds));
+        line.insert("weight_sync_seconds".into(), json!(weight_sync_seconds));
+        line.insert("staleness_max".into(), json!(max_staleness));
+        line.insert(
+            "staleness_mean".into(),
+            json!(staleness.iter().sum::<u64>() as f64 / staleness.len().max(1) as f64),
+        );
         line.insert("step_seconds".into(), json!(step_seconds));
         line.insert(
             "samples_per_second".into(),
@@ -787,7 +758,7 @@ impl<'a> Controller<'a> {
             .unwrap_or(0);
         line.insert("generation_weight_version".into(), json!(sampled_with));
         line.insert("weight_version".into(), json!(response.weight_version));
-        line.insert("epoch".into(), json!(cursor.position().epoch));
+        line.insert("epoch".into(), json!(epoch));
         let logged = trajectories
             .iter()
             .zip(completions)
@@ -797,51 +768,19 @@ impl<'a> Controller<'a> {
                 json!({
                     "step": step,
                     "group": trajectory.group,
-                    "prompt": trajectory.prompt(&self.records),
+                    "prompt": trajectory.prompt(&self.sampler.records),
                     "completion": completion,
                     "reward": reward,
                     "advantage": advantage,
                     "finish_reason": trajectory.finish_reason,
                     "weight_version": trajectory.weight_version,
+                    "trained_at_version": trained_version,
                     "tokens": trajectory.tokens,
                     "generated": trajectory.loss_mask,
                 })
             })
             .collect();
         Ok((Value::Object(line), logged))
-    }
-
-    /// Reads `rollout.max_new_tokens_field` from every record.
-    fn token_budgets(&self) -> Result<Vec<Vec<u32>>, RunError> {
-        let rollout = &self.config.rollout;
-        let Some(field) = &rollout.max_new_tokens_field else {
-            return Ok(Vec::new());
-        };
-        let group = rollout.group_size;
-        let as_budget = |value: &Value| {
-            value
-                .as_u64()
-                .and_then(|v| u32::try_from(v).ok())
-                .filter(|&v| v > 0)
-        };
-        self.records
-            .iter()
-            .enumerate()
-            .map(|(index, record)| {
-                let invalid = || {
-                    RunError::Data(format!(
-                        "record {index}: `{field}` must be a positive integer or a list of {group} of them"
-                    ))
-                };
-                match record.fields.get(field) {
-                    None => Ok(Vec::new()),
-                    Some(Value::Array(items)) if items.len() == group => {
-                        items.iter().map(|v| as_budget(v).ok_or_else(invalid)).collect()
-                    }
-                    Some(value) => as_budget(value).map(|v| vec![v; group]).ok_or_else(invalid),
-                }
-            })
-            .collect()
     }
 
     /// Linear warm-up over `train.warmup_steps` RL updates, then constant.
@@ -852,175 +791,6 @@ impl<'a> Controller<'a> {
             return train.learning_rate;
         }
         train.learning_rate * (rl_updates as f64 / train.warmup_steps as f64).min(1.0)
-    }
-
-    /// One request completing each of `records` `group_size` times.
-    fn generate_request(&self, records: &[usize], seed: u64) -> GenerateRequest {
-        GenerateRequest {
-            prompts: records
-                .iter()
-                .map(|&record| PromptRequest {
-                    prompt_ids: self.prompt_ids[record].clone(),
-                    n: self.config.rollout.group_size as u32,
-                    max_new_tokens: self.budgets.get(record).cloned().unwrap_or_default(),
-                })
-                .collect(),
-            sampling: self.sampling(seed),
-        }
-    }
-
-    /// Single-turn: every prompt is completed `group_size` times in one generation call.
-    async fn sample_completions(
-        &self,
-        records: &[usize],
-        seed: u64,
-    ) -> Result<(Vec<Trajectory>, GeneratorMetrics), RunError> {
-        let group_size = self.config.rollout.group_size;
-        let request = self.generate_request(records, seed);
-        let response = self.roles.generator.generate(request).await?;
-        let metrics = response.metrics;
-        let mut trajectories = Vec::with_capacity(records.len() * group_size);
-        for (group, (&record, completions)) in records.iter().zip(response.groups).enumerate() {
-            let prompt = &self.prompt_ids[record];
-            for completion in completions {
-                let mut tokens = prompt.clone();
-                tokens.extend_from_slice(&completion.token_ids);
-                let mut logprobs = vec![0.0; prompt.len()];
-                logprobs.extend_from_slice(&completion.logprobs);
-                trajectories.push(Trajectory {
-                    group,
-                    record,
-                    episode_prompt: None,
-                    loss_mask: (0..tokens.len()).map(|t| t >= prompt.len()).collect(),
-                    tokens,
-                    logprobs,
-                    prompt_len: prompt.len(),
-                    finish_reason: completion.finish_reason,
-                    env_return: 0.0,
-                    weight_version: completion.weight_version,
-                });
-            }
-        }
-        Ok((trajectories, metrics))
-    }
-
-    /// Multi-turn: each group plays `group_size` episodes seeded alike; turns of all live
-    /// episodes are generated together. Observations are appended as context tokens (not
-    /// trained on); generated tokens are kept exactly as sampled.
-    async fn run_episodes(
-        &self,
-        environments: &dyn Environments,
-        records: &[usize],
-        seed: u64,
-    ) -> Result<(Vec<Trajectory>, GeneratorMetrics), RunError> {
-        let group_size = self.config.rollout.group_size;
-        let max_turns = self.config.environment.as_ref().map_or(1, |e| e.max_turns);
-        let first_id = seed;
-        let starts: Vec<EpisodeStart> = records
-            .iter()
-            .enumerate()
-            .flat_map(|(group, &record)| {
-                let episode_seed = mix(seed, group as u64);
-                (0..group_size).map(move |_| (record, episode_seed))
-            })
-            .map(|(record, seed)| EpisodeStart {
-                record: self.records[record].fields.clone(),
-                seed,
-            })
-            .collect();
-        let ids: Vec<u64> = (0..starts.len() as u64)
-            .map(|i| first_id.wrapping_add(i))
-            .collect();
-        let prompts = environments.start(first_id, starts).await?;
-        let prompt_ids = self.roles.tokenizer.encode(prompts.clone(), false).await?;
-        let mut trajectories: Vec<Trajectory> = prompt_ids
-            .into_iter()
-            .zip(prompts)
-            .enumerate()
-            .map(|(index, (tokens, prompt))| Trajectory {
-                group: index / group_size,
-                record: records[index / group_size],
-                episode_prompt: Some(prompt),
-                loss_mask: vec![false; tokens.len()],
-                logprobs: vec![0.0; tokens.len()],
-                prompt_len: tokens.len(),
-                tokens,
-                finish_reason: FinishReason::Stop,
-                env_return: 0.0,
-                weight_version: u64::MAX,
-            })
-            .collect();
-        let mut live: Vec<usize> = (0..trajectories.len()).collect();
-        let mut generator_metrics = Vec::new();
-        let result = async {
-            for turn in 0..max_turns {
-                if live.is_empty() {
-                    break;
-                }
-                let request = GenerateRequest {
-                    prompts: live
-                        .iter()
-                        .map(|&i| PromptRequest {
-                            prompt_ids: trajectories[i].tokens.clone(),
-                            n: 1,
-                            max_new_tokens: Vec::new(),
-                        })
-                        .collect(),
-                    sampling: self.sampling(mix(seed, 1 + turn as u64)),
-                };
-                let response = self.roles.generator.generate(request).await?;
-                generator_metrics.push(response.metrics);
-                let mut actions = Vec::with_capacity(live.len());
-                for (&i, mut group) in live.iter().zip(response.groups) {
-                    let Some(completion) = group.pop() else {
-                        continue;
-                    };
-                    let trajectory = &mut trajectories[i];
-                    trajectory.tokens.extend_from_slice(&completion.token_ids);
-                    trajectory.logprobs.extend_from_slice(&completion.logprobs);
-                    trajectory
-                        .loss_mask
-                        .extend(std::iter::repeat_n(true, completion.token_ids.len()));
-                    trajectory.finish_reason = completion.finish_reason;
-                    trajectory.weight_version =
-                        trajectory.weight_version.min(completion.weight_version);
-                    actions.push(completion.token_ids);
-                }
-                let texts = self.roles.tokenizer.decode(actions).await?;
-                let outcomes = environments
-                    .step(live.iter().map(|&i| ids[i]).zip(texts).collect())
-                    .await?;
-                let mut observations = Vec::new();
-                let mut still_live = Vec::new();
-                for (&i, outcome) in live.iter().zip(outcomes) {
-                    trajectories[i].env_return += outcome.reward;
-                    if !outcome.done && turn + 1 < max_turns {
-                        observations.push(outcome.observation);
-                        still_live.push(i);
-                    }
-                }
-                if still_live.is_empty() {
-                    break;
-                }
-                let observation_ids = self.roles.tokenizer.encode(observations, true).await?;
-                for (&i, tokens) in still_live.iter().zip(observation_ids) {
-                    let trajectory = &mut trajectories[i];
-                    trajectory
-                        .loss_mask
-                        .extend(std::iter::repeat_n(false, tokens.len()));
-                    trajectory
-                        .logprobs
-                        .extend(std::iter::repeat_n(0.0, tokens.len()));
-                    trajectory.tokens.extend(tokens);
-                }
-                live = still_live;
-            }
-            Ok::<_, RunError>(())
-        }
-        .await;
-        environments.finish(ids).await?;
-        result?;
-        Ok((trajectories, merge_metrics(&generator_metrics)))
     }
 
     fn summary(&self, started: Instant) -> Summary {

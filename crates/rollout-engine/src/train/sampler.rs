@@ -1,0 +1,387 @@
+//! Sampling a step: prompts to completions (single-turn, or episodes against an
+//! environment), scored, with group advantages. A [`Sampler`] holds only shared, read-only
+//! state, so the controller can run several steps' sampling while it trains.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use rollout_net::messages::{
+    FinishReason, GenerateRequest, PromptRequest, SamplingParams, ScoreRequest, ScoreSample,
+};
+use serde_json::Value;
+
+use super::{Roles, RunError, group_advantages, mix};
+use crate::config::Config;
+use crate::generation::merge_metrics;
+use crate::plugins::Record;
+use crate::roles::{Environments, EpisodeStart};
+
+pub(super) type GeneratorMetrics = std::collections::BTreeMap<String, f64>;
+
+/// A step's samples with their rewards and advantages.
+pub(super) struct Collected {
+    pub trajectories: Vec<Trajectory>,
+    pub completions: Vec<String>,
+    pub rewards: Vec<f64>,
+    pub components: Vec<rollout_net::messages::RewardComponent>,
+    pub advantages: Vec<f64>,
+    pub zero_std_groups: usize,
+    pub generate_seconds: f64,
+    pub score_seconds: f64,
+    /// The generator's own measurements, merged over the step's generation requests.
+    pub generator_metrics: GeneratorMetrics,
+}
+
+/// One sampled episode, token-exact: everything the policy generated and the context around.
+#[derive(Debug, Clone)]
+pub(super) struct Trajectory {
+    pub group: usize,
+    pub record: usize,
+    /// The episode's first prompt when an environment wrote it (else the record's prompt).
+    pub episode_prompt: Option<String>,
+    pub tokens: Vec<u32>,
+    pub loss_mask: Vec<bool>,
+    pub logprobs: Vec<f32>,
+    pub prompt_len: usize,
+    pub finish_reason: FinishReason,
+    pub env_return: f64,
+    /// The oldest weight version that generated any of its tokens (the behaviour policy).
+    pub weight_version: u64,
+}
+
+impl Trajectory {
+    pub fn prompt<'r>(&'r self, records: &'r [Record]) -> &'r str {
+        self.episode_prompt
+            .as_deref()
+            .unwrap_or(&records[self.record].prompt)
+    }
+
+    pub fn generated_tokens(&self) -> usize {
+        self.loss_mask.iter().filter(|&&m| m).count()
+    }
+}
+
+/// What sampling needs: the config, the roles, the data and its tokenised prompts.
+#[derive(Clone)]
+pub(super) struct Sampler<'a> {
+    pub config: &'a Config,
+    pub roles: Roles<'a>,
+    pub records: Arc<Vec<Record>>,
+    pub prompt_ids: Arc<Vec<Vec<u32>>>,
+    /// Per-record, per-sample token budgets from `rollout.max_new_tokens_field` (empty: the
+    /// configured `max_new_tokens`).
+    pub budgets: Arc<Vec<Vec<u32>>>,
+}
+
+impl<'a> Sampler<'a> {
+    /// Tokenises the prompts of the first `count` records and reads their token budgets.
+    pub async fn prepare(&mut self, count: usize) -> Result<(), RunError> {
+        let prompts = self.records[..count.min(self.records.len())]
+            .iter()
+            .map(|r| r.prompt.clone())
+            .collect();
+        self.prompt_ids = Arc::new(self.roles.tokenizer.encode(prompts, false).await?);
+        self.budgets = Arc::new(self.token_budgets()?);
+        Ok(())
+    }
+
+    pub(super) fn sampling(&self, seed: u64) -> SamplingParams {
+        let rollout = &self.config.rollout;
+        SamplingParams {
+            max_new_tokens: rollout.max_new_tokens,
+            temperature: rollout.temperature,
+            top_p: rollout.top_p,
+            top_k: rollout.top_k,
+            stop_token_ids: rollout.stop_token_ids.clone(),
+            stop_strings: rollout.stop_strings.clone(),
+            ignore_eos: rollout.ignore_eos,
+            seed,
+        }
+    }
+
+    /// Generates, scores and computes advantages for `records` (one group each).
+    pub(super) async fn collect(
+        &self,
+        records: &[usize],
+        seed: u64,
+    ) -> Result<Collected, RunError> {
+        let started = Instant::now();
+        let (trajectories, generator_metrics) = match self.roles.environments {
+            Some(environments) => self.run_episodes(environments, records, seed).await?,
+            None => self.sample_completions(records, seed).await?,
+        };
+        let generate_seconds = started.elapsed().as_secs_f64();
+
+        let scoring = Instant::now();
+        let completions = self
+            .roles
+            .tokenizer
+            .decode(
+                trajectories
+                    .iter()
+                    .map(|t| t.tokens[t.prompt_len..].to_vec())
+                    .collect(),
+            )
+            .await?;
+        let samples = trajectories
+            .iter()
+            .zip(&completions)
+            .map(|(trajectory, completion)| ScoreSample {
+                prompt: trajectory.prompt(&self.records).to_owned(),
+                completion: completion.clone(),
+                record: self.records[trajectory.record].fields.clone(),
+                finish_reason: trajectory.finish_reason,
+            })
+            .collect();
+        let scores = self.roles.scorer.score(ScoreRequest { samples }).await?;
+        let rewards: Vec<f64> = trajectories
+            .iter()
+            .zip(&scores.totals)
+            .map(|(trajectory, total)| total + trajectory.env_return)
+            .collect();
+        let score_seconds = scoring.elapsed().as_secs_f64();
+
+        let algorithm = &self.config.algorithm;
+        let mut advantages = vec![0.0; trajectories.len()];
+        let mut zero_std_groups = 0;
+        for group in 0..records.len() {
+            let members: Vec<usize> = (0..trajectories.len())
+                .filter(|&i| trajectories[i].group == group)
+                .collect();
+            let group_rewards: Vec<f64> = members.iter().map(|&i| rewards[i]).collect();
+            if group_rewards.windows(2).all(|w| w[0] == w[1]) {
+                zero_std_groups += 1;
+            }
+            for (&i, advantage) in members.iter().zip(group_advantages(
+                &group_rewards,
+                algorithm.advantage,
+                algorithm.std_eps,
+            )) {
+                advantages[i] = advantage;
+            }
+        }
+        Ok(Collected {
+            trajectories,
+            completions,
+            rewards,
+            components: scores.components,
+            advantages,
+            zero_std_groups,
+            generate_seconds,
+            score_seconds,
+            generator_metrics,
+        })
+    }
+
+    /// Reads `rollout.max_new_tokens_field` from every record.
+    pub(super) fn token_budgets(&self) -> Result<Vec<Vec<u32>>, RunError> {
+        let rollout = &self.config.rollout;
+        let Some(field) = &rollout.max_new_tokens_field else {
+            return Ok(Vec::new());
+        };
+        let group = rollout.group_size;
+        let as_budget = |value: &Value| {
+            value
+                .as_u64()
+                .and_then(|v| u32::try_from(v).ok())
+                .filter(|&v| v > 0)
+        };
+        self.records
+            .iter()
+            .enumerate()
+            .map(|(index, record)| {
+                let invalid = || {
+                    RunError::Data(format!(
+                        "record {index}: `{field}` must be a positive integer or a list of {group} of them"
+                    ))
+                };
+                match record.fields.get(field) {
+                    None => Ok(Vec::new()),
+                    Some(Value::Array(items)) if items.len() == group => {
+                        items.iter().map(|v| as_budget(v).ok_or_else(invalid)).collect()
+                    }
+                    Some(value) => as_budget(value).map(|v| vec![v; group]).ok_or_else(invalid),
+                }
+            })
+            .collect()
+    }
+
+    /// One request completing each of `records` `group_size` times.
+    pub(super) fn generate_request(&self, records: &[usize], seed: u64) -> GenerateRequest {
+        GenerateRequest {
+            prompts: records
+                .iter()
+                .enumerate()
+                .map(|(group, &record)| PromptRequest {
+                    prompt_ids: self.prompt_ids[record].clone(),
+                    n: self.config.rollout.group_size as u32,
+                    max_new_tokens: self.budgets.get(record).cloned().unwrap_or_default(),
+                    seed: Some(mix(seed, group as u64)),
+                })
+                .collect(),
+            sampling: self.sampling(seed),
+        }
+    }
+
+    /// Single-turn: every prompt is completed `group_size` times in one generation call.
+    pub(super) async fn sample_completions(
+        &self,
+        records: &[usize],
+        seed: u64,
+    ) -> Result<(Vec<Trajectory>, GeneratorMetrics), RunError> {
+        let group_size = self.config.rollout.group_size;
+        let request = self.generate_request(records, seed);
+        let response = self.roles.generator.generate(request).await?;
+        let metrics = response.metrics;
+        let mut trajectories = Vec::with_capacity(records.len() * group_size);
+        for (group, (&record, completions)) in records.iter().zip(response.groups).enumerate() {
+            let prompt = &self.prompt_ids[record];
+            for completion in completions {
+                let mut tokens = prompt.clone();
+                tokens.extend_from_slice(&completion.token_ids);
+                let mut logprobs = vec![0.0; prompt.len()];
+                logprobs.extend_from_slice(&completion.logprobs);
+                trajectories.push(Trajectory {
+                    group,
+                    record,
+                    episode_prompt: None,
+                    loss_mask: (0..tokens.len()).map(|t| t >= prompt.len()).collect(),
+                    tokens,
+                    logprobs,
+                    prompt_len: prompt.len(),
+                    finish_reason: completion.finish_reason,
+                    env_return: 0.0,
+                    weight_version: completion.weight_version,
+                });
+            }
+        }
+        Ok((trajectories, metrics))
+    }
+
+    /// Multi-turn: each group plays `group_size` episodes seeded alike; turns of all live
+    /// episodes are generated together. Observations are appended as context tokens (not
+    /// trained on); generated tokens are kept exactly as sampled.
+    pub(super) async fn run_episodes(
+        &self,
+        environments: &dyn Environments,
+        records: &[usize],
+        seed: u64,
+    ) -> Result<(Vec<Trajectory>, GeneratorMetrics), RunError> {
+        let group_size = self.config.rollout.group_size;
+        let max_turns = self.config.environment.as_ref().map_or(1, |e| e.max_turns);
+        let first_id = seed;
+        let starts: Vec<EpisodeStart> = records
+            .iter()
+            .enumerate()
+            .flat_map(|(group, &record)| {
+                let episode_seed = mix(seed, group as u64);
+                (0..group_size).map(move |_| (record, episode_seed))
+            })
+            .map(|(record, seed)| EpisodeStart {
+                record: self.records[record].fields.clone(),
+                seed,
+            })
+            .collect();
+        let ids: Vec<u64> = (0..starts.len() as u64)
+            .map(|i| first_id.wrapping_add(i))
+            .collect();
+        let prompts = environments.start(first_id, starts).await?;
+        let prompt_ids = self.roles.tokenizer.encode(prompts.clone(), false).await?;
+        let mut trajectories: Vec<Trajectory> = prompt_ids
+            .into_iter()
+            .zip(prompts)
+            .enumerate()
+            .map(|(index, (tokens, prompt))| Trajectory {
+                group: index / group_size,
+                record: records[index / group_size],
+                episode_prompt: Some(prompt),
+                loss_mask: vec![false; tokens.len()],
+                logprobs: vec![0.0; tokens.len()],
+                prompt_len: tokens.len(),
+                tokens,
+                finish_reason: FinishReason::Stop,
+                env_return: 0.0,
+                weight_version: u64::MAX,
+            })
+            .collect();
+        let mut live: Vec<usize> = (0..trajectories.len()).collect();
+        let mut generator_metrics = Vec::new();
+        let result = async {
+            for turn in 0..max_turns {
+                if live.is_empty() {
+                    break;
+                }
+                let turn_seed = mix(seed, 1 + turn as u64);
+                let request = GenerateRequest {
+                    prompts: live
+                        .iter()
+                        .map(|&i| PromptRequest {
+                            prompt_ids: trajectories[i].tokens.clone(),
+                            n: 1,
+                            // `rollout.max_new_tokens_field` budgets every turn of the sample.
+                            max_new_tokens: self
+                                .budgets
+                                .get(trajectories[i].record)
+                                .and_then(|budgets| budgets.get(i % group_size))
+                                .map(|&budget| vec![budget])
+                                .unwrap_or_default(),
+                            seed: Some(mix(turn_seed, i as u64)),
+                        })
+                        .collect(),
+                    sampling: self.sampling(turn_seed),
+                };
+                let response = self.roles.generator.generate(request).await?;
+                generator_metrics.push(response.metrics);
+                let mut actions = Vec::with_capacity(live.len());
+                for (&i, mut group) in live.iter().zip(response.groups) {
+                    let Some(completion) = group.pop() else {
+                        continue;
+                    };
+                    let trajectory = &mut trajectories[i];
+                    trajectory.tokens.extend_from_slice(&completion.token_ids);
+                    trajectory.logprobs.extend_from_slice(&completion.logprobs);
+                    trajectory
+                        .loss_mask
+                        .extend(std::iter::repeat_n(true, completion.token_ids.len()));
+                    trajectory.finish_reason = completion.finish_reason;
+                    trajectory.weight_version =
+                        trajectory.weight_version.min(completion.weight_version);
+                    actions.push(completion.token_ids);
+                }
+                let texts = self.roles.tokenizer.decode(actions).await?;
+                let outcomes = environments
+                    .step(live.iter().map(|&i| ids[i]).zip(texts).collect())
+                    .await?;
+                let mut observations = Vec::new();
+                let mut still_live = Vec::new();
+                for (&i, outcome) in live.iter().zip(outcomes) {
+                    trajectories[i].env_return += outcome.reward;
+                    if !outcome.done && turn + 1 < max_turns {
+                        observations.push(outcome.observation);
+                        still_live.push(i);
+                    }
+                }
+                if still_live.is_empty() {
+                    break;
+                }
+                let observation_ids = self.roles.tokenizer.encode(observations, true).await?;
+                for (&i, tokens) in still_live.iter().zip(observation_ids) {
+                    let trajectory = &mut trajectories[i];
+                    trajectory
+                        .loss_mask
+                        .extend(std::iter::repeat_n(false, tokens.len()));
+                    trajectory
+                        .logprobs
+                        .extend(std::iter::repeat_n(0.0, tokens.len()));
+                    trajectory.tokens.extend(tokens);
+                }
+                live = still_live;
+            }
+            Ok::<_, RunError>(())
+        }
+        .await;
+        environments.finish(ids).await?;
+        result?;
+        Ok((trajectories, merge_metrics(&generator_metrics)))
+    }
+}

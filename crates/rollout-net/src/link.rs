@@ -1,0 +1,678 @@
+//! Connections between roles: TCP, authenticated before anything is parsed, then greeted
+//! (`Hello` both ways), then frames. [`Link::client`] and [`Link::server`] turn a connection
+//! into a request/response channel with heartbeats and credit-based backpressure.
+//!
+//! Requests and responses travel in an [`Envelope`] naming the call they belong to, so a
+//! server may answer out of order and stream several frames for one call (weight buckets).
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::{SinkExt, StreamExt};
+use serde::{Deserialize, Serialize};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio_util::codec::Framed;
+
+use crate::auth::{AuthError, ClusterKey, authenticate_client, authenticate_server};
+use crate::frame::{Frame, FrameCodec, FrameError};
+use crate::messages::{ErrorMessage, Heartbeat, Hello, Message, MessageKind};
+
+/// Sizes and times every connection of a run agrees on.
+#[derive(Debug, Clone)]
+pub struct LinkLimits {
+    pub max_header_bytes: u32,
+    pub max_payload_bytes: u64,
+    /// How often each side sends a heartbeat.
+    pub heartbeat: Duration,
+    /// A peer silent for this long is lost.
+    pub peer_timeout: Duration,
+    /// Authentication and greeting must finish within this.
+    pub handshake_timeout: Duration,
+    /// Requests a server accepts before the client must wait for answers.
+    pub credits: u32,
+}
+
+impl Default for LinkLimits {
+    fn default() -> Self {
+        Self {
+            max_header_bytes: 256 << 20,
+            max_payload_bytes: 4 << 30,
+            heartbeat: Duration::from_secs(2),
+            peer_timeout: Duration::from_secs(30),
+            handshake_timeout: Duration::from_secs(10),
+            credits: 16,
+        }
+    }
+}
+
+/// A request or response: the call it belongs to, whether more frames follow for it, and
+/// the message.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Envelope<T> {
+    pub call: u64,
+    #[serde(default)]
+    pub more: bool,
+    pub body: T,
+}
+
+#[derive(Deserialize)]
+struct EnvelopeHead {
+    call: u64,
+    #[serde(default)]
+    more: bool,
+}
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum NetError {
+    #[error("cannot connect to {addr}: {reason}")]
+    Connect { addr: String, reason: String },
+    #[error("{peer}: authentication failed: {reason}")]
+    Auth { peer: String, reason: String },
+    #[error("{peer}: {reason}")]
+    Handshake { peer: String, reason: String },
+    #[error("{peer} sent a bad frame: {reason}")]
+    BadFrame { peer: String, reason: String },
+    #[error("lost {peer}: {reason}")]
+    PeerLost { peer: String, reason: String },
+    #[error("{peer} failed: {message}")]
+    Remote { peer: String, message: String },
+}
+
+impl NetError {
+    fn auth(peer: &str, err: AuthError) -> Self {
+        NetError::Auth {
+            peer: peer.into(),
+            reason: err.to_string(),
+        }
+    }
+}
+
+/// An authenticated connection whose peer has introduced itself.
+pub struct Link {
+    framed: Framed<TcpStream, FrameCodec>,
+    pub peer: Hello,
+    pub peer_addr: SocketAddr,
+    limits: LinkLimits,
+}
+
+impl std::fmt::Debug for Link {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Link")
+            .field("peer", &self.peer)
+            .field("peer_addr", &self.peer_addr)
+            .finish()
+    }
+}
+
+/// Binds a listener; `addr` defaults to loopback in every caller's config.
+pub async fn listen(addr: &str) -> Result<TcpListener, NetError> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|err| NetError::Connect {
+            addr: addr.into(),
+            reason: format!("cannot listen: {err}"),
+        })
+}
+
+fn codec(limits: &LinkLimits) -> FrameCodec {
+    FrameCodec::new()
+        .with_max_header_bytes(limits.max_header_bytes)
+        .with_max_payload_bytes(limits.max_payload_bytes)
+}
+
+impl Link {
+    /// Connects to `addr`, proves the secret, checks the server's proof and exchanges `Hello`.
+    pub async fn connect(
+        addr: &str,
+        key: &ClusterKey,
+        hello: &Hello,
+        limits: &LinkLimits,
+    ) -> Result<Self, NetError> {
+        let failed = |reason: String| NetError::Connect {
+            addr: addr.into(),
+            reason,
+        };
+        let mut stream = tokio::time::timeout(limits.handshake_timeout, TcpStream::connect(addr))
+            .await
+            .map_err(|_| failed("timed out".into()))?
+            .map_err(|err| failed(err.to_string()))?;
+        let _ = stream.set_nodelay(true);
+        let peer_addr = stream.peer_addr().map_err(|err| failed(err.to_string()))?;
+        authenticate_server(&mut stream, key, limits.handshake_timeout)
+            .await
+            .map_err(|err| NetError::auth(addr, err))?;
+        Self::greet(stream, peer_addr, hello, limits).await
+    }
+
+    /// Authenticates an accepted connection: nothing it sends is parsed before it has proved
+    /// the secret.
+    pub async fn accept(
+        mut stream: TcpStream,
+        key: &ClusterKey,
+        hello: &Hello,
+        limits: &LinkLimits,
+    ) -> Result<Self, NetError> {
+        let peer_addr = stream.peer_addr().map_err(|err| NetError::Handshake {
+            peer: "unknown peer".into(),
+            reason: err.to_string(),
+        })?;
+        let _ = stream.set_nodelay(true);
+        authenticate_client(&mut stream, key, limits.handshake_timeout)
+            .await
+            .map_err(|err| NetError::auth(&peer_addr.to_string(), err))?;
+        Self::greet(stream, peer_addr, hello, limits).await
+    }
+
+    async fn greet(
+        stream: TcpStream,
+        peer_addr: SocketAddr,
+        hello: &Hello,
+        limits: &LinkLimits,
+    ) -> Result<Self, NetError> {
+        let peer = peer_addr.to_string();
+        let mut framed = Framed::new(stream, codec(limits));
+        let bad = |reason: String| NetError::Handshake {
+            peer: peer.clone(),
+            reason,
+        };
+        let frame = Frame::from_message(hello, Bytes::new()).map_err(|err| bad(err.to_string()))?;
+        framed
+            .send(frame)
+            .await
+            .map_err(|err| bad(err.to_string()))?;
+        let reply = tokio::time::timeout(limits.handshake_timeout, framed.next())
+            .await
+            .map_err(|_| bad("no greeting in time".into()))?
+            .ok_or_else(|| bad("closed before greeting".into()))?
+            .map_err(|err| bad(err.to_string()))?;
+        let their: Hello = reply.decode_message().map_err(|err| bad(err.to_string()))?;
+        if their.version != hello.version {
+            return Err(bad(format!(
+                "runs rollout {} but this is rollout {}; every process of a run must be the same build",
+                their.version, hello.version
+            )));
+        }
+        Ok(Link {
+            framed,
+            peer: their,
+            peer_addr,
+            limits: limits.clone(),
+        })
+    }
+
+    /// A name for logs: the peer's role and name and address.
+    pub fn describe(&self) -> String {
+        format!(
+            "{} `{}` ({})",
+            self.peer.role, self.peer.name, self.peer_addr
+        )
+    }
+
+    /// The calling side of this connection.
+    pub fn client(self) -> RpcClient {
+        let peer = self.describe();
+        let credits = self.peer.credits.max(1) as usize;
+        let shared = Arc::new(ClientShared {
+            pending: Mutex::new(HashMap::new()),
+            lost: Mutex::new(None),
+            peer: peer.clone(),
+        });
+        let (outgoing, queue) = mpsc::unbounded_channel::<Outgoing>();
+        let (sink, stream) = self.framed.split();
+        let credits = Arc::new(Semaphore::new(credits));
+        tokio::spawn(client_writer(
+            sink,
+            queue,
+            credits,
+            shared.clone(),
+            self.limits.heartbeat,
+        ));
+        tokio::spawn(client_reader(
+            stream,
+            shared.clone(),
+            self.limits.peer_timeout,
+        ));
+        RpcClient {
+            shared,
+            outgoing,
+            next_call: Arc::new(AtomicU64::new(1)),
+            hello: self.peer,
+        }
+    }
+
+    /// The answering side: requests arrive on `requests` (at most `credits` queued; then
+    /// the socket is not read, so the peer's writes back up), answers go through `responder`.
+    pub fn server(self) -> RpcServer {
+        let peer = self.describe();
+        let (sink, stream) = self.framed.split();
+        let (outgoing, queue) = mpsc::unbounded_channel::<Frame>();
+        let (incoming, requests) = mpsc::channel(self.limits.credits.max(1) as usize);
+        let (reader_done, stop_writing) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(server_writer(
+            sink,
+            queue,
+            self.limits.heartbeat,
+            stop_writing,
+        ));
+        let reader_peer = peer.clone();
+        let timeout = self.limits.peer_timeout;
+        let closed = Arc::new(Mutex::new(None));
+        let closed_by_reader = closed.clone();
+        tokio::spawn(async move {
+            let reason = server_reader(stream, incoming, &reader_peer, timeout).await;
+            if let Ok(mut slot) = closed_by_reader.lock() {
+                *slot = Some(reason);
+            }
+            // A connection that can no longer be read is closed, not kept alive by heartbeats.
+            let _ = reader_done.send(());
+        });
+        RpcServer {
+            requests,
+            responder: Responder { outgoing, peer },
+            hello: self.peer,
+            closed,
+        }
+    }
+}
+
+type Sink = futures_util::stream::SplitSink<Framed<TcpStream, FrameCodec>, Frame>;
+type Stream = futures_util::stream::SplitStream<Framed<TcpStream, FrameCodec>>;
+type Replies = mpsc::UnboundedSender<Result<Frame, NetError>>;
+
+struct Outgoing {
+    call: u64,
+    frame: Frame,
+}
+
+struct Pending {
+    replies: Replies,
+    permit: Option<OwnedSemaphorePermit>,
+}
+
+struct ClientShared {
+    pending: Mutex<HashMap<u64, Pending>>,
+    lost: Mutex<Option<String>>,
+    peer: String,
+}
+
+impl ClientShared {
+    fn lose(&self, reason: String) {
+        if let Ok(mut lost) = self.lost.lock() {
+            lost.get_or_insert(reason.clone());
+        }
+        let pending: Vec<Pending> = match self.pending.lock() {
+            Ok(mut pending) => pending.drain().map(|(_, p)| p).collect(),
+            Err(_) => Vec::new(),
+        };
+        for entry in pending {
+            let _ = entry.replies.send(Err(NetError::PeerLost {
+                peer: self.peer.clone(),
+                reason: reason.clone(),
+            }));
+        }
+    }
+
+    fn lost_reason(&self) -> Option<String> {
+        self.lost.lock().ok().and_then(|lost| lost.clone())
+    }
+}
+
+async fn client_writer(
+    mut sink: Sink,
+    mut queue: mpsc::UnboundedReceiver<Outgoing>,
+    credits: Arc<Semaphore>,
+    shared: Arc<ClientShared>,
+    heartbeat: Duration,
+) {
+    let mut ticks = tokio::time::interval(heartbeat);
+    let mut seq = 0;
+    loop {
+        let result = tokio::select! {
+            next = queue.recv() => {
+                let Some(Outgoing { call, frame }) = next else { break };
+                // Requests go out in the order they were made; each holds a credit until
+                // its last answer arrives.
+                let Ok(permit) = credits.clone().acquire_owned().await else { break };
+                let still_waiting = match shared.pending.lock() {
+                    Ok(mut pending) => pending
+                        .get_mut(&call)
+                        .map(|entry| entry.permit = Some(permit))
+                        .is_some(),
+                    Err(_) => false,
+                };
+                if !still_waiting {
+                    continue;
+                }
+                sink.send(frame).await
+            }
+            _ = ticks.tick() => {
+                seq += 1;
+                match Frame::from_message(&Heartbeat { seq }, Bytes::new()) {
+                    Ok(frame) => sink.send(frame).await,
+                    Err(err) => Err(err),
+                }
+            }
+        };
+        if let Err(err) = result {
+            shared.lose(format!("cannot send: {err}"));
+            break;
+        }
+    }
+    let _ = sink.close().await;
+}
+
+async fn client_reader(mut stream: Stream, shared: Arc<ClientShared>, timeout: Duration) {
+    let reason = loop {
+        let frame = match tokio::time::timeout(timeout, stream.next()).await {
+            Err(_) => break format!("no message or heartbeat for {timeout:?}"),
+            Ok(None) => break "connection closed".to_string(),
+            Ok(Some(Err(FrameError::Io(err)))) => break format!("connection broken: {err}"),
+            Ok(Some(Err(err))) => break format!("bad frame: {err}"),
+            Ok(Some(Ok(frame))) => frame,
+        };
+        if frame.kind == MessageKind::Heartbeat {
+            continue;
+        }
+        let head: EnvelopeHead = match frame.decode_header() {
+            Ok(head) => head,
+            Err(err) => break format!("bad {} frame: {err}", frame.kind),
+        };
+        let entry = match shared.pending.lock() {
+            Ok(pending) if head.more => pending
+                .get(&head.call)
+                .map(|entry| (entry.replies.clone(), None)),
+            Ok(mut pending) => pending
+                .remove(&head.call)
+                .map(|entry| (entry.replies, entry.permit)),
+            Err(_) => break "internal lock poisoned".to_string(),
+        };
+        match entry {
+            Some((replies, _permit)) => {
+                let _ = replies.send(Ok(frame));
+            }
+            None => break format!("an answer to call {} that was not made", head.call),
+        }
+    };
+    shared.lose(reason);
+}
+
+/// The calling side of a connection. Cheap to clone; calls go out in the order made.
+#[derive(Clone)]
+pub struct RpcClient {
+    shared: Arc<ClientShared>,
+    outgoing: mpsc::UnboundedSender<Outgoing>,
+    next_call: Arc<AtomicU64>,
+    hello: Hello,
+}
+
+impl RpcClient {
+    /// Who answers.
+    pub fn peer(&self) -> &Hello {
+        &self.hello
+    }
+
+    pub fn describe(&self) -> &str {
+        &self.shared.peer
+    }
+
+    /// Sends `request` now (in call order, when a credit is free) and returns the call whose
+    /// answers to await.
+    pub fn call<M: Message>(&self, request: &M, payload: Bytes) -> Result<Call, NetError> {
+        let lost = |reason: String| NetError::PeerLost {
+            peer: self.shared.peer.clone(),
+            reason,
+        };
+        if let Some(reason) = self.shared.lost_reason() {
+            return Err(lost(reason));
+        }
+        let call = self.next_call.fetch_add(1, Ordering::Relaxed);
+        let frame = Frame::encode_message(
+            M::KIND,
+            &Envelope {
+                call,
+                more: false,
+                body: request,
+            },
+            payload,
+        )
+        .map_err(|err| NetError::BadFrame {
+            peer: "this process".into(),
+            reason: err.to_string(),
+        })?;
+        let (replies, answers) = mpsc::unbounded_channel();
+        if let Ok(mut pending) = self.shared.pending.lock() {
+            pending.insert(
+                call,
+                Pending {
+                    replies,
+                    permit: None,
+                },
+            );
+        }
+        self.outgoing
+            .send(Outgoing { call, frame })
+            .map_err(|_| lost("connection closed".into()))?;
+        Ok(Call {
+            answers,
+            peer: self.shared.peer.clone(),
+        })
+    }
+
+    /// One request, one answer.
+    pub async fn request<Req: Message, Resp: Message>(
+        &self,
+        request: &Req,
+        payload: Bytes,
+    ) -> Result<(Resp, Bytes), NetError> {
+        self.call(request, payload)?.answer().await
+    }
+}
+
+/// The answers to one request.
+pub struct Call {
+    answers: mpsc::UnboundedReceiver<Result<Frame, NetError>>,
+    peer: String,
+}
+
+impl Call {
+    /// The next answer frame: `None` once the last one has been taken. An error message from
+    /// the peer is returned as [`NetError::Remote`].
+    pub async fn next_frame(&mut self) -> Result<Option<Frame>, NetError> {
+        match self.answers.recv().await {
+            None => Ok(None),
+            Some(Err(err)) => Err(err),
+            Some(Ok(frame)) if frame.kind == MessageKind::Error => {
+                let message = frame
+                    .decode_header::<Envelope<ErrorMessage>>()
+                    .map(|e| e.body.message)
+                    .unwrap_or_else(|err| format!("an unreadable error ({err})"));
+                Err(NetError::Remote {
+                    peer: self.peer.clone(),
+                    message,
+                })
+            }
+            Some(Ok(frame)) => Ok(Some(frame)),
+        }
+    }
+
+    /// Decodes one answer frame as `M` (with its envelope's `more` flag and payload).
+    pub fn decode<M: Message>(&self, frame: Frame) -> Result<(M, bool, Bytes), NetError> {
+        let envelope = decode_envelope::<M>(&frame).map_err(|err| NetError::BadFrame {
+            peer: self.peer.clone(),
+            reason: err.to_string(),
+        })?;
+        Ok((envelope.body, envelope.more, frame.payload))
+    }
+
+    /// The single answer of a request.
+    pub async fn answer<M: Message>(mut self) -> Result<(M, Bytes), NetError> {
+        let frame = self.next_frame().await?.ok_or_else(|| NetError::PeerLost {
+            peer: self.peer.clone(),
+            reason: "the call ended without an answer".into(),
+        })?;
+        let (message, _, payload) = self.decode(frame)?;
+        Ok((message, payload))
+    }
+}
+
+/// Parses a frame carrying an `Envelope<M>`, after checking its kind.
+pub fn decode_envelope<M: Message>(frame: &Frame) -> Result<Envelope<M>, FrameError> {
+    if frame.kind != M::KIND {
+        return Err(FrameError::KindMismatch {
+            expected: M::KIND,
+            found: frame.kind,
+        });
+    }
+    frame.decode_header()
+}
+
+/// A request that arrived, and the call to answer.
+#[derive(Debug)]
+pub struct Incoming {
+    pub call: u64,
+    pub frame: Frame,
+}
+
+impl Incoming {
+    pub fn decode<M: Message>(&self) -> Result<M, FrameError> {
+        decode_envelope(&self.frame).map(|envelope| envelope.body)
+    }
+}
+
+/// Sends answers; cheap to clone, usable from any task.
+#[derive(Clone, Debug)]
+pub struct Responder {
+    outgoing: mpsc::UnboundedSender<Frame>,
+    peer: String,
+}
+
+impl Responder {
+    /// Answers `call`; with `more`, further answers to the same call follow.
+    pub fn reply<M: Message>(
+        &self,
+        call: u64,
+        message: &M,
+        payload: Bytes,
+        more: bool,
+    ) -> Result<(), NetError> {
+        let frame = Frame::encode_message(
+            M::KIND,
+            &Envelope {
+                call,
+                more,
+                body: message,
+            },
+            payload,
+        )
+        .map_err(|err| NetError::BadFrame {
+            peer: "this process".into(),
+            reason: err.to_string(),
+        })?;
+        self.outgoing.send(frame).map_err(|_| NetError::PeerLost {
+            peer: self.peer.clone(),
+            reason: "connection closed".into(),
+        })
+    }
+
+    /// Answers `call` with an error; the caller sees [`NetError::Remote`].
+    pub fn fail(&self, call: u64, message: impl Into<String>) -> Result<(), NetError> {
+        self.reply(
+            call,
+            &ErrorMessage {
+                message: message.into(),
+            },
+            Bytes::new(),
+            false,
+        )
+    }
+}
+
+/// The answering side of a connection.
+#[derive(Debug)]
+pub struct RpcServer {
+    pub requests: mpsc::Receiver<Incoming>,
+    pub responder: Responder,
+    pub hello: Hello,
+    closed: Arc<Mutex<Option<String>>>,
+}
+
+impl RpcServer {
+    /// Why the connection ended, once `requests` has run dry.
+    pub fn closed_reason(&self) -> String {
+        self.closed
+            .lock()
+            .ok()
+            .and_then(|reason| reason.clone())
+            .unwrap_or_else(|| "connection closed".into())
+    }
+}
+
+async fn server_writer(
+    mut sink: Sink,
+    mut queue: mpsc::UnboundedReceiver<Frame>,
+    beat: Duration,
+    mut reader_done: tokio::sync::oneshot::Receiver<()>,
+) {
+    let mut ticks = tokio::time::interval(beat);
+    let mut seq = 0;
+    loop {
+        let result = tokio::select! {
+            _ = &mut reader_done => break,
+            next = queue.recv() => match next {
+                Some(frame) => sink.send(frame).await,
+                None => break,
+            },
+            _ = ticks.tick() => {
+                seq += 1;
+                match Frame::from_message(&Heartbeat { seq }, Bytes::new()) {
+                    Ok(frame) => sink.send(frame).await,
+                    Err(err) => Err(err),
+                }
+            }
+        };
+        if result.is_err() {
+            break;
+        }
+    }
+    let _ = sink.close().await;
+}
+
+async fn server_reader(
+    mut stream: Stream,
+    incoming: mpsc::Sender<Incoming>,
+    peer: &str,
+    timeout: Duration,
+) -> String {
+    loop {
+        let frame = match tokio::time::timeout(timeout, stream.next()).await {
+            Err(_) => return format!("{peer} sent nothing for {timeout:?}"),
+            Ok(None) => return format!("{peer} closed the connection"),
+            Ok(Some(Err(FrameError::Io(err)))) => {
+                return format!("the connection to {peer} broke: {err}");
+            }
+            Ok(Some(Err(err))) => {
+                tracing::warn!("{peer} sent a bad frame, closing: {err}");
+                return format!("{peer} sent a bad frame: {err}");
+            }
+            Ok(Some(Ok(frame))) => frame,
+        };
+        if frame.kind == MessageKind::Heartbeat {
+            continue;
+        }
+        let call = match frame.decode_header::<EnvelopeHead>() {
+            Ok(head) => head.call,
+            Err(err) => {
+                tracing::warn!("{peer} sent a bad {} frame, closing: {err}", frame.kind);
+                return format!("{peer} sent a bad frame: {err}");
+            }
+        };
+        if incoming.send(Incoming { call, frame }).await.is_err() {
+            return "the server stopped".into();
+        }
+    }
+}

@@ -1,0 +1,190 @@
+"""End to end: `rollout launch` runs the controller, generation workers and trainer ranks as
+separate processes of the same binary, connected by authenticated links on loopback."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_rollout_binary import ROLLOUT, artifacts, learning_signal, metrics, run, write_config
+
+__all__ = ["artifacts"]
+
+LAUNCH_TIMEOUT = 300
+TIMING_WORDS = ("seconds", "per_second", "overhead_fraction", "engine/kv_blocks", "engine/kv_occupancy")
+
+
+def launch(config: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        [str(ROLLOUT), "launch", str(config), *args],
+        capture_output=True,
+        text=True,
+        cwd=config.parent,
+        timeout=LAUNCH_TIMEOUT,
+    )
+    if check and result.returncode != 0:
+        pytest.fail(f"rollout launch exited {result.returncode}\n{result.stderr[-6000:]}")
+    return result
+
+
+def samples(directory: Path) -> list[dict]:
+    lines = (directory / "out" / "samples.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def cluster(workers: int, trainers: int, staleness: int, extra: str = "") -> str:
+    return f"""
+[cluster]
+workers = {workers}
+trainers = {trainers}
+max_staleness = {staleness}
+{extra}
+"""
+
+
+def test_staleness_zero_with_one_worker_and_one_trainer_reproduces_rollout_run(
+    tmp_path: Path, artifacts: Path
+) -> None:
+    local_dir, cluster_dir = tmp_path / "local", tmp_path / "cluster"
+    local_dir.mkdir()
+    cluster_dir.mkdir()
+    # Same seed and config; the cluster section only matters to `rollout launch`.
+    section = cluster(1, 1, 0)
+    run(write_config(local_dir, artifacts, steps=4, extra=section))
+    launched = launch(write_config(cluster_dir, artifacts, steps=4, extra=section))
+    assert "started worker-0" in launched.stderr and "started trainer-0" in launched.stderr
+
+    local, remote = metrics(local_dir), metrics(cluster_dir)
+    assert [line["step"] for line in remote] == [1, 2, 3, 4]
+    # Everything but wall times is identical: rewards, losses, KL, lengths, weight versions.
+    assert learning_signal(remote) == learning_signal(local)
+    for line in remote:
+        assert line["staleness_max"] == 0
+        assert line["generation_weight_version"] == line["weight_version"] - 1
+
+
+def test_two_workers_two_trainers_overlap_generation_within_the_staleness_bound(
+    tmp_path: Path, artifacts: Path
+) -> None:
+    config = write_config(tmp_path, artifacts, steps=6, extra=cluster(2, 2, 1))
+    text = config.read_text().replace("[run]\n", "[run]\nlog_samples = 1000\n", 1)
+    config.write_text(text)
+    result = launch(config)
+    pids = {int(pid) for pid in re.findall(r"started \S+ \(pid (\d+)\)", result.stderr)}
+    assert len(pids) == 4, result.stderr[-3000:]
+    assert "trainer rank 1 of 2 joined the process group" in result.stderr
+
+    lines = metrics(tmp_path)
+    assert [line["step"] for line in lines] == list(range(1, 7))
+    for line in lines:
+        assert 0 <= line["staleness_max"] <= 1
+        assert "grad_allreduce_bytes" in line and line["grad_allreduce_bytes"] > 0
+    logged = samples(tmp_path)
+    assert len(logged) == 6 * 8
+    lags = [s["trained_at_version"] - s["weight_version"] for s in logged]
+    # The bound holds for every trained sample, and generation did run ahead of training.
+    assert max(lags) <= 1 and min(lags) >= 0
+    assert 1 in lags, "with max_staleness = 1 some step should be sampled during training"
+    # Weight versions only grow along the run.
+    versions = [line["weight_version"] for line in lines]
+    assert versions == sorted(versions) and len(set(versions)) == len(versions)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_a_raw_tcp_client_without_the_secret_is_dropped_unparsed(tmp_path: Path, artifacts: Path) -> None:
+    port = free_port()
+    config = write_config(
+        tmp_path, artifacts, steps=3, extra=cluster(1, 1, 0, f'listen = "127.0.0.1:{port}"')
+    )
+    process = subprocess.Popen(
+        [str(ROLLOUT), "launch", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                raw = socket.create_connection(("127.0.0.1", port), timeout=5)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the controller never listened"
+                assert process.poll() is None, process.communicate()[1]
+                time.sleep(0.05)
+        with raw:
+            challenge = raw.recv(40)
+            assert challenge.startswith(b"RLTAUTH1")
+            # A frame preamble claiming a 64 GiB payload, then junk: none of it is parsed.
+            raw.sendall(
+                b"RLT\x01\x00\x04\x00\x00" + b"\x00" * 8 + b"\x00\x00\x00\x10\x00\x00\x00\x00" + b"x" * 64
+            )
+            raw.settimeout(10)
+            try:
+                answer = raw.recv(1024)
+            except ConnectionResetError:
+                answer = b""
+            assert answer == b"", "the controller answered an unauthenticated peer"
+        stdout, stderr = process.communicate(timeout=LAUNCH_TIMEOUT)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 0, stderr[-4000:]
+    assert "done: 3 steps" in stdout
+    refusals = [line for line in stderr.splitlines() if "refused a connection" in line]
+    assert len(refusals) == 1 and "not a Rollout peer" in refusals[0], stderr[-4000:]
+    assert "GenerateRequest" not in refusals[0] and "frame" not in refusals[0]
+    assert "panicked" not in stderr
+
+
+def test_roles_started_elsewhere_need_the_secret(tmp_path: Path, artifacts: Path) -> None:
+    config = write_config(tmp_path, artifacts, steps=1, extra=cluster(1, 1, 0))
+    result = launch(config, "--external-roles", check=False)
+    assert result.returncode != 0
+    assert "ROLLOUT_CLUSTER_SECRET" in result.stderr
+
+
+def test_a_worker_with_the_wrong_secret_cannot_join(tmp_path: Path, artifacts: Path) -> None:
+    port = free_port()
+    extra = cluster(1, 1, 0, f'listen = "127.0.0.1:{port}"\njoin_timeout_seconds = 20')
+    config = write_config(tmp_path, artifacts, steps=1, extra=extra)
+    env = {"ROLLOUT_CLUSTER_SECRET": "the right secret, long enough", "PATH": "/usr/bin:/bin"}
+    controller = subprocess.Popen(
+        [str(ROLLOUT), "launch", str(config), "--external-roles"],
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+    )
+    try:
+        time.sleep(1.0)
+        worker = subprocess.run(
+            [str(ROLLOUT), "worker", "--connect", f"127.0.0.1:{port}", "--name", "intruder"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**env, "ROLLOUT_CLUSTER_SECRET": "a wrong secret, also long enough"},
+        )
+        assert worker.returncode != 0
+        assert "authentication failed" in worker.stderr
+        _, stderr = controller.communicate(timeout=120)
+    finally:
+        if controller.poll() is None:
+            controller.kill()
+            controller.wait()
+    assert controller.returncode != 0
+    assert "does not know the cluster secret" in stderr
+    assert "0 of 1 generation workers" in stderr

@@ -1,0 +1,535 @@
+"""Multi-host distributed runs on one machine: every node is a Linux network namespace.
+
+Three namespaces stand in for three hosts: the controller's (`ctl`), the generation workers'
+(`gen`) and the trainer ranks' (`train`). Each has one veth leg on a bridge living in a fourth
+namespace of its own, and an address in 10.231.7.0/24; none of them has a default route and
+nothing is added to the test's own namespace, so no traffic leaves them. `fault-proxy`
+(crates/rollout-testkit), run on the controller's node, sits between the workers and the
+controller to add latency or to reset a worker's connection mid-run.
+
+Needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) for `ip netns`: skipped without it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_rollout_binary import REPO, ROLLOUT, artifacts
+
+__all__ = ["artifacts"]
+
+FAULT_PROXY = Path(os.environ.get("FAULT_PROXY_BIN", REPO / "target" / "release" / "fault-proxy"))
+SUBNET = "10.231.7"
+CONTROLLER_PORT = 29400
+PROXY_PORT = 29401
+MASTER_PORT = 29500
+SECRET = "the netns test's cluster secret"
+STEPS = 4
+# Latency the proxy adds to each chunk of the workers' control connections, each way.
+LINK_DELAY_MS = 20
+SAMPLES_PER_STEP = 4 * 4  # prompts_per_step * group_size
+# Bounds on every wait: a whole run, the roles' exits after the controller's, start-up.
+RUN_SECONDS = 80
+EXIT_SECONDS = 40
+START_SECONDS = 30
+# Environment variables of the test's own process that must not leak into a role.
+ROLE_ENV_DROPPED = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")
+_unique = itertools.count()
+
+
+def ip(*args: str) -> None:
+    result = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(f"`ip {' '.join(args)}` failed ({result.returncode}): {result.stderr.strip()}")
+
+
+@dataclass
+class Node:
+    """A namespace standing in for a host, with its one address."""
+
+    namespace: str
+    address: str
+
+    def netns_inode(self) -> int:
+        return os.stat(f"/run/netns/{self.namespace}").st_ino
+
+
+@dataclass
+class Role:
+    """A process started (by pid) in a node's namespace, its output in two files."""
+
+    label: str
+    node: Node
+    process: subprocess.Popen[bytes]
+    stdout_path: Path
+    stderr_path: Path
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    @property
+    def stdout(self) -> str:
+        return self.stdout_path.read_text(errors="replace")
+
+    def netns_inode(self) -> int:
+        return os.stat(f"/proc/{self.process.pid}/ns/net").st_ino
+
+    def wait_for_log(self, pattern: str, timeout: float) -> re.Match[str]:
+        """Waits until a line of stderr matches `pattern`; fails if the process exits first."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = re.search(pattern, self.stderr)
+            if found:
+                return found
+            if self.process.poll() is not None:
+                pytest.fail(f"{self.label} exited {self.process.returncode} before logging {pattern!r}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"{self.label} did not log {pattern!r} within {timeout} s")
+            time.sleep(0.1)
+
+
+@dataclass
+class Network:
+    """The namespaces of one test and every process started in them; `close` removes all."""
+
+    logs: Path
+    tag: str
+    namespaces: list[str] = field(default_factory=list)
+    roles: list[Role] = field(default_factory=list)
+    ctl: Node = field(init=False)
+    gen: Node = field(init=False)
+    train: Node = field(init=False)
+
+    def add_namespace(self, kind: str) -> str:
+        name = f"rollout-{kind}-{self.tag}"
+        ip("netns", "add", name)
+        self.namespaces.append(name)
+        ip("-n", name, "link", "set", "lo", "up")
+        return name
+
+    def build(self) -> None:
+        bridge = self.add_namespace("br")
+        ip("-n", bridge, "link", "add", "br0", "type", "bridge")
+        ip("-n", bridge, "link", "set", "br0", "up")
+        nodes = []
+        for index, kind in enumerate(("ctl", "gen", "train")):
+            namespace = self.add_namespace(kind)
+            leg = f"leg-{kind}"
+            ip("-n", bridge, "link", "add", leg, "type", "veth", "peer", "name", "eth0", "netns", namespace)
+            ip("-n", bridge, "link", "set", leg, "master", "br0", "up")
+            ip("-n", namespace, "addr", "add", f"{SUBNET}.{index + 1}/24", "dev", "eth0")
+            ip("-n", namespace, "link", "set", "eth0", "up")
+            nodes.append(Node(namespace, f"{SUBNET}.{index + 1}"))
+        self.ctl, self.gen, self.train = nodes
+
+    def check(self) -> None:
+        """Each node reaches the controller's node, and has no route anywhere else."""
+        probe = (
+            "import socket, sys, time\n"
+            "deadline = time.monotonic() + 10\n"
+            "while True:\n"
+            "    try:\n"
+            "        socket.create_connection((sys.argv[1], 9), timeout=2).close()\n"
+            "        sys.exit('something listens on port 9')\n"
+            "    except ConnectionRefusedError:\n"
+            "        sys.exit(0)\n"
+            "    except OSError as err:\n"
+            "        if time.monotonic() > deadline:\n"
+            "            sys.exit(f'{sys.argv[1]} is unreachable: {err}')\n"
+            "        time.sleep(0.1)\n"
+        )
+        for node in (self.ctl, self.gen, self.train):
+            routes = subprocess.run(
+                ["ip", "-n", node.namespace, "route", "show"], capture_output=True, text=True, timeout=30
+            ).stdout
+            lines = routes.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith(f"{SUBNET}.0/24 dev eth0 "), (
+                f"{node.namespace} routes:\n{routes}"
+            )
+            # A refused connection proves the path both ways without a listener.
+            reached = subprocess.run(
+                ["ip", "netns", "exec", node.namespace, sys.executable, "-c", probe, self.ctl.address],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            assert reached.returncode == 0, f"from {node.namespace}: {reached.stderr}"
+
+    def spawn(self, node: Node, label: str, args: list[str], env: dict[str, str] | None = None) -> Role:
+        environment = {k: v for k, v in os.environ.items() if k not in ROLE_ENV_DROPPED}
+        environment.update({"ROLLOUT_CLUSTER_SECRET": SECRET, "RUST_BACKTRACE": "1", **(env or {})})
+        self.logs.mkdir(parents=True, exist_ok=True)
+        stdout_path, stderr_path = self.logs / f"{label}.stdout", self.logs / f"{label}.stderr"
+        with stdout_path.open("wb") as stdout, stderr_path.open("wb") as stderr:
+            # `ip netns exec` enters the namespace and execs the command: the pid is the role's.
+            process = subprocess.Popen(
+                ["ip", "netns", "exec", node.namespace, *args],
+                stdin=subprocess.DEVNULL,
+                stdout=stdout,
+                stderr=stderr,
+                cwd=self.logs,
+                env=environment,
+            )
+        role = Role(label, node, process, stdout_path, stderr_path)
+        self.roles.append(role)
+        return role
+
+    def report(self, lines: int = 25) -> str:
+        parts = []
+        for role in self.roles:
+            tail = "\n".join(role.stderr.splitlines()[-lines:])
+            parts.append(f"--- {role.label} (exit {role.process.poll()}) stderr tail:\n{tail}")
+        return "\n".join(parts)
+
+    def close(self) -> None:
+        for role in reversed(self.roles):
+            if role.process.poll() is None:
+                os.kill(role.process.pid, signal.SIGKILL)
+            try:
+                role.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                pass
+        for namespace in reversed(self.namespaces):
+            subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=30, check=False)
+
+
+@pytest.fixture
+def net(request: pytest.FixtureRequest, tmp_path: Path) -> Network:
+    if shutil.which("ip") is None:
+        pytest.skip("`ip` (iproute2) is not installed: the network-namespace tests need it")
+    network = Network(logs=tmp_path / "logs", tag=f"{os.getpid()}-{next(_unique)}")
+    request.addfinalizer(network.close)
+    try:
+        network.build()
+    except RuntimeError as err:
+        text = str(err)
+        denied = any(word in text for word in ("Operation not permitted", "Permission denied"))
+        if denied and not network.namespaces:
+            pytest.skip(
+                f"cannot create network namespaces (needs root, or CAP_SYS_ADMIN and CAP_NET_ADMIN): {text}"
+            )
+        raise
+    network.check()
+    return network
+
+
+def write_config(directory: Path, artifacts: Path, *, steps: int, checkpoint_every: int = 0) -> Path:
+    text = f"""
+[run]
+name = "netns"
+output_dir = "{directory / "out"}"
+seed = 7
+steps = {steps}
+log_samples = 1000
+
+[policy]
+plugin = "python_plugins.hf_policy:HFCausalLM"
+options = {{ model_path = "{artifacts / "model"}", torch_threads = 1 }}
+
+[data]
+plugin = "python_plugins.data:JsonlPrompts"
+options = {{ path = "{artifacts / "data" / "train.jsonl"}", template = "{{question}}" }}
+
+[[rewards]]
+plugin = "python_plugins.rewards:ExactMatch"
+
+[[rewards]]
+plugin = "python_plugins.rewards:Format"
+weight = 0.5
+options = {{ pattern = '\\d+' }}
+
+[rollout]
+prompts_per_step = 4
+group_size = 4
+max_new_tokens = 4
+
+[train]
+learning_rate = 0.001
+micro_batch_tokens = 32
+
+[checkpoint]
+every = {checkpoint_every}
+
+[cluster]
+workers = 2
+trainers = 2
+max_staleness = 1
+backend = "gloo"
+heartbeat_seconds = 1.0
+peer_timeout_seconds = 20.0
+join_timeout_seconds = {START_SECONDS + 30}
+"""
+    path = directory / "netns.toml"
+    path.write_text(text)
+    return path
+
+
+@dataclass
+class Run:
+    controller: Role
+    workers: list[Role]
+    trainers: list[Role]
+    proxy: Role | None
+    output: Path
+    # The network namespace (inode) of every role, read while they all ran.
+    namespaces: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def roles(self) -> list[Role]:
+        return [self.controller, *self.workers, *self.trainers]
+
+    def metrics(self) -> list[dict]:
+        return [json.loads(line) for line in (self.output / "metrics.jsonl").read_text().splitlines()]
+
+    def samples(self) -> list[dict]:
+        return [json.loads(line) for line in (self.output / "samples.jsonl").read_text().splitlines()]
+
+
+def start_proxy(net: Network, *flags: str) -> Role:
+    if not FAULT_PROXY.exists():
+        pytest.fail(
+            f"{FAULT_PROXY} is missing: build it with `cargo build --release -p rollout-testkit` "
+            "(or set FAULT_PROXY_BIN)"
+        )
+    proxy = net.spawn(
+        net.ctl,
+        "fault-proxy",
+        [
+            str(FAULT_PROXY),
+            "--listen",
+            f"{net.ctl.address}:{PROXY_PORT}",
+            "--upstream",
+            f"{net.ctl.address}:{CONTROLLER_PORT}",
+            "--max-seconds",
+            str(RUN_SECONDS + EXIT_SECONDS + START_SECONDS),
+            *flags,
+        ],
+    )
+    proxy.wait_for_log(r"listening on", START_SECONDS)
+    return proxy
+
+
+def run_cluster(
+    net: Network,
+    tmp_path: Path,
+    artifacts: Path,
+    *,
+    steps: int,
+    checkpoint_every: int = 0,
+    proxy: Role | None = None,
+    proxied_workers: tuple[int, ...] = (),
+) -> Run:
+    """Runs the controller on `ctl`, two workers on `gen` (`proxied_workers` connect through
+    the proxy) and two trainer ranks on `train`; returns when the controller and every role
+    have exited (each wait bounded)."""
+    if not ROLLOUT.exists():
+        pytest.fail(f"{ROLLOUT} is missing: run scripts/setup.sh (or set ROLLOUT_BIN)")
+    config = write_config(tmp_path, artifacts, steps=steps, checkpoint_every=checkpoint_every)
+    controller_address = f"{net.ctl.address}:{CONTROLLER_PORT}"
+    controller = net.spawn(
+        net.ctl,
+        "controller",
+        [
+            str(ROLLOUT),
+            "launch",
+            str(config),
+            "--external-roles",
+            "--set",
+            f"cluster.listen={controller_address}",
+        ],
+    )
+    controller.wait_for_log(rf"listening on {re.escape(controller_address)}", START_SECONDS)
+    trainer_env = {
+        "MASTER_ADDR": net.train.address,
+        "MASTER_PORT": str(MASTER_PORT),
+        # gloo would otherwise pick the interface of the host name, which is not in this node.
+        "GLOO_SOCKET_IFNAME": "eth0",
+    }
+    trainers = [
+        net.spawn(
+            net.train,
+            f"trainer-{rank}",
+            [
+                str(ROLLOUT),
+                "trainer",
+                "--connect",
+                controller_address,
+                "--name",
+                f"trainer-{rank}",
+                "--rank",
+                str(rank),
+                "--world-size",
+                "2",
+                "--listen",
+                f"{net.train.address}:0",
+            ],
+            env=trainer_env,
+        )
+        for rank in range(2)
+    ]
+    workers = []
+    for index in range(2):
+        port = PROXY_PORT if index in proxied_workers else CONTROLLER_PORT
+        workers.append(
+            net.spawn(
+                net.gen,
+                f"gen-{index}",
+                [
+                    str(ROLLOUT),
+                    "worker",
+                    "--connect",
+                    f"{net.ctl.address}:{port}",
+                    "--name",
+                    f"gen-{index}",
+                    "--listen",
+                    f"{net.gen.address}:0",
+                ],
+            )
+        )
+    run = Run(controller, workers, trainers, proxy, tmp_path / "out")
+    deadline = time.monotonic() + RUN_SECONDS
+    while controller.process.poll() is None:
+        if not run.namespaces and "trainer ranks joined" in controller.stderr:
+            run.namespaces = {
+                role.label: role.netns_inode() for role in run.roles if role.process.poll() is None
+            }
+        if time.monotonic() > deadline:
+            pytest.fail(f"the run did not finish within {RUN_SECONDS} s\n{net.report()}")
+        time.sleep(0.2)
+    exit_deadline = time.monotonic() + EXIT_SECONDS
+    for role in [*workers, *trainers]:
+        try:
+            role.process.wait(timeout=max(0.0, exit_deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pytest.fail(
+                f"{role.label} still ran {EXIT_SECONDS} s after the controller exited\n{net.report()}"
+            )
+    return run
+
+
+def assert_no_panic(net: Network) -> None:
+    for role in net.roles:
+        assert "panicked" not in role.stderr, f"{role.label} panicked:\n{role.stderr[-4000:]}"
+
+
+def assert_trained(run: Run, net: Network, steps: int) -> None:
+    """The run finished every step, within the staleness bound, with fresh weights reaching
+    the workers."""
+    assert run.controller.process.returncode == 0, net.report()
+    assert f"done: {steps} steps" in run.controller.stdout, run.controller.stdout
+    for role in [*run.workers, *run.trainers]:
+        assert role.process.returncode == 0, f"{role.label} exited {role.process.returncode}\n{net.report()}"
+    lines = run.metrics()
+    assert [line["step"] for line in lines] == list(range(1, steps + 1))
+    for line in lines:
+        assert line["completions"] == SAMPLES_PER_STEP
+        assert 0 <= line["staleness_max"] <= 1
+    versions = [line["weight_version"] for line in lines]
+    assert versions == sorted(versions) and len(set(versions)) == steps, versions
+    samples = run.samples()
+    assert len(samples) == steps * SAMPLES_PER_STEP
+    lags = [sample["trained_at_version"] - sample["weight_version"] for sample in samples]
+    assert min(lags) >= 0 and max(lags) <= 1, lags
+    # New weight versions travelled trainer -> gen-0 -> gen-1 across the nodes.
+    behaviour = {sample["weight_version"] for sample in samples}
+    assert len(behaviour) >= steps - 1, behaviour
+    assert_no_panic(net)
+
+
+def assert_on_their_nodes(run: Run, net: Network) -> None:
+    """Every process ran in its node's namespace: three distinct ones, none the test's."""
+    expected = {role.label: role.node.netns_inode() for role in run.roles}
+    assert run.namespaces == expected, (run.namespaces, expected)
+    assert len({net.ctl.netns_inode(), net.gen.netns_inode(), net.train.netns_inode()}) == 3
+    assert os.stat("/proc/self/ns/net").st_ino not in expected.values()
+    for worker in run.workers:
+        assert re.search(
+            rf"connected to the controller at {re.escape(net.ctl.address)}:\d+", worker.stderr
+        ), worker.stderr
+    assert "trainer rank 1 of 2 joined the process group" in "".join(t.stderr for t in run.trainers)
+
+
+@pytest.mark.slow
+def test_two_workers_and_two_trainers_on_three_nodes_learn(
+    net: Network, tmp_path: Path, artifacts: Path
+) -> None:
+    run = run_cluster(net, tmp_path, artifacts, steps=STEPS, checkpoint_every=2)
+    assert_trained(run, net, STEPS)
+    assert_on_their_nodes(run, net)
+    latest = (run.output / "checkpoints" / "latest").read_text().strip()
+    assert latest == f"step-{STEPS:08d}"
+    assert_valid_checkpoint(run.output / "checkpoints" / latest, max_step=STEPS)
+
+
+@pytest.mark.slow
+def test_a_run_through_a_slow_link_still_finishes(net: Network, tmp_path: Path, artifacts: Path) -> None:
+    proxy = start_proxy(net, "--delay-ms", str(LINK_DELAY_MS))
+    run = run_cluster(net, tmp_path, artifacts, steps=STEPS, proxy=proxy, proxied_workers=(0, 1))
+    # Both workers' control connections went through the proxy, from the workers' node.
+    forwarded = re.findall(r"connection \d+ from ([\d.]+):\d+: forwarding", proxy.stderr)
+    assert forwarded == [net.gen.address, net.gen.address], proxy.stderr
+    assert "RESET" not in proxy.stderr
+    assert_trained(run, net, STEPS)
+    assert_on_their_nodes(run, net)
+
+
+def assert_valid_checkpoint(directory: Path, *, max_step: int) -> None:
+    manifest = json.loads((directory / "manifest.json").read_text())
+    listed = {entry["path"]: entry["bytes"] for entry in manifest["files"]}
+    assert "state.json" in listed
+    for path, size in listed.items():
+        assert (directory / path).stat().st_size == size, path
+    state = json.loads((directory / "state.json").read_text())
+    assert state["step"] == manifest["step"] == int(directory.name.removeprefix("step-"))
+    assert 1 <= state["step"] <= max_step
+
+
+@pytest.mark.slow
+def test_a_worker_lost_mid_run_stops_the_run_cleanly(net: Network, tmp_path: Path, artifacts: Path) -> None:
+    # About 3-5 kB go each way while the roles join and load, then 2.4-2.9 kB per step on a
+    # worker's control connection: a reset after 40 kB cuts gen-0's around step 12-16 of 40.
+    steps = 40
+    proxy = start_proxy(net, "--reset-after-bytes", "40000")
+    run = run_cluster(
+        net, tmp_path, artifacts, steps=steps, checkpoint_every=1, proxy=proxy, proxied_workers=(0,)
+    )
+    assert re.search(r"connection 1 from [\d.]+:\d+: forwarding", proxy.stderr), proxy.stderr
+    assert "connection 1: RESET by --reset-after-bytes" in proxy.stderr, proxy.stderr
+    controller = run.controller
+    assert controller.process.returncode not in (0, None), net.report()
+    # The run stops with one clear error naming the lost worker, and no summary.
+    error = controller.stderr.strip().splitlines()[-1]
+    assert error.startswith("error:"), controller.stderr[-4000:]
+    assert re.search(r"lost worker `gen-0`", error), error
+    assert "done:" not in controller.stdout
+    # The reset happened mid-run: after some steps were trained, before the last.
+    lines = run.metrics() if (run.output / "metrics.jsonl").exists() else []
+    assert 1 <= len(lines) < steps, f"{len(lines)} steps"
+    assert [line["step"] for line in lines] == list(range(1, len(lines) + 1))
+    # The worker that lost its controller says so and exits; the other roles were shut down.
+    lost = run.workers[0]
+    assert lost.process.returncode != 0
+    assert "lost the controller" in lost.stderr, lost.stderr[-3000:]
+    for role in [run.workers[1], *run.trainers]:
+        assert role.process.returncode == 0, f"{role.label} exited {role.process.returncode}\n{net.report()}"
+    assert_no_panic(net)
+    checkpoints = sorted(
+        p for p in (run.output / "checkpoints").glob("step-*") if re.fullmatch(r"step-\d{8}", p.name)
+    )
+    if checkpoints:
+        assert_valid_checkpoint(checkpoints[-1], max_step=len(lines))
+        latest = (run.output / "checkpoints" / "latest").read_text().strip()
+        assert latest == checkpoints[-1].name
