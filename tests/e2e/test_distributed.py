@@ -188,3 +188,10 @@ def test_a_worker_with_the_wrong_secret_cannot_join(tmp_path: Path, artifacts: P
     assert controller.returncode != 0
     assert "does not know the cluster secret" in stderr
     assert "0 of 1 generation workers" in stderr
+
+
+def test_tls_links_run_the_same_training(tmp_path: Path, artifacts: Path) -> None:
+    config = write_config(tmp_path, artifacts, steps=2, extra=cluster(1, 1, 0, "tls = true"))
+    result = launch(config)
+    assert "links are encrypted" in result.stderr
+    assert [line["step"] for line in metrics(tmp_path)] == [1, 2]

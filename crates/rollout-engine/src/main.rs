@@ -117,6 +117,9 @@ struct RoleOptions {
     /// A file holding the cluster secret; else `ROLLOUT_CLUSTER_SECRET`.
     #[arg(long)]
     secret_file: Option<PathBuf>,
+    /// Encrypt links with TLS: required when the controller's `[cluster] tls` is on.
+    #[arg(long)]
+    tls: bool,
     /// Keep trying to reach a controller that is not listening yet for this many seconds.
     #[arg(long, default_value_t = 120.0, value_name = "SECONDS")]
     connect_retry: f64,
@@ -141,6 +144,14 @@ impl RoleOptions {
             rank,
             world_size,
             connect_retry: std::time::Duration::from_secs_f64(self.connect_retry.max(0.0)),
+            limits: rollout_net::LinkLimits {
+                tls: if self.tls {
+                    Some(rollout_net::tls::TlsContext::new()?)
+                } else {
+                    None
+                },
+                ..rollout_net::LinkLimits::default()
+            },
         })
     }
 }

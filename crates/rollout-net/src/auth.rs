@@ -11,7 +11,9 @@
 //!    nonce)`, so the client knows the server holds the secret too.
 //!
 //! The MAC is BLAKE3 in keyed mode (a PRF), the key derived from the secret with BLAKE3's
-//! key derivation; comparisons are constant-time (`blake3::Hash`'s equality).
+//! key derivation; comparisons are constant-time (`blake3::Hash`'s equality). Over TLS, both
+//! MACs also cover the session's channel binding (see [`crate::tls`]); over plain TCP it is
+//! empty.
 
 use std::time::Duration;
 
@@ -60,11 +62,18 @@ impl ClusterKey {
         bytes.iter().map(|b| format!("{b:02x}")).collect()
     }
 
-    fn mac(&self, label: &[u8], server_nonce: &[u8], client_nonce: &[u8]) -> blake3::Hash {
+    fn mac(
+        &self,
+        label: &[u8],
+        server_nonce: &[u8],
+        client_nonce: &[u8],
+        binding: &[u8],
+    ) -> blake3::Hash {
         let mut hasher = blake3::Hasher::new_keyed(&self.0);
         hasher.update(label);
         hasher.update(server_nonce);
         hasher.update(client_nonce);
+        hasher.update(binding);
         hasher.finalize()
     }
 }
@@ -102,6 +111,7 @@ async fn within<T>(
 pub async fn authenticate_client<S: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut S,
     key: &ClusterKey,
+    binding: &[u8],
     limit: Duration,
 ) -> Result<(), AuthError> {
     within(limit, async {
@@ -118,10 +128,11 @@ pub async fn authenticate_client<S: AsyncRead + AsyncWrite + Unpin>(
         }
         let (client_nonce, mac) = rest.split_at(NONCE_LEN);
         let mac: [u8; MAC_LEN] = mac.try_into().map_err(|_| AuthError::BadGreeting)?;
-        if key.mac(b"client", &server_nonce, client_nonce) != blake3::Hash::from_bytes(mac) {
+        if key.mac(b"client", &server_nonce, client_nonce, binding) != blake3::Hash::from_bytes(mac)
+        {
             return Err(AuthError::WrongSecret);
         }
-        let answer = key.mac(b"server", &server_nonce, client_nonce);
+        let answer = key.mac(b"server", &server_nonce, client_nonce, binding);
         stream.write_all(answer.as_bytes()).await?;
         Ok(())
     })
@@ -132,6 +143,7 @@ pub async fn authenticate_client<S: AsyncRead + AsyncWrite + Unpin>(
 pub async fn authenticate_server<S: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut S,
     key: &ClusterKey,
+    binding: &[u8],
     limit: Duration,
 ) -> Result<(), AuthError> {
     within(limit, async {
@@ -145,11 +157,16 @@ pub async fn authenticate_server<S: AsyncRead + AsyncWrite + Unpin>(
         let mut proof = Vec::with_capacity(CLIENT_PROOF_LEN);
         proof.extend_from_slice(&AUTH_MAGIC);
         proof.extend_from_slice(&client_nonce);
-        proof.extend_from_slice(key.mac(b"client", server_nonce, &client_nonce).as_bytes());
+        proof.extend_from_slice(
+            key.mac(b"client", server_nonce, &client_nonce, binding)
+                .as_bytes(),
+        );
         stream.write_all(&proof).await?;
         let mut answer = [0u8; MAC_LEN];
         stream.read_exact(&mut answer).await?;
-        if key.mac(b"server", server_nonce, &client_nonce) != blake3::Hash::from_bytes(answer) {
+        if key.mac(b"server", server_nonce, &client_nonce, binding)
+            != blake3::Hash::from_bytes(answer)
+        {
             return Err(AuthError::WrongSecret);
         }
         Ok(())
@@ -175,8 +192,8 @@ mod tests {
         let server = key("correct horse battery staple");
         let client = server.clone();
         let (s, c) = tokio::join!(
-            authenticate_client(&mut a, &server, LIMIT),
-            authenticate_server(&mut b, &client, LIMIT)
+            authenticate_client(&mut a, &server, b"", LIMIT),
+            authenticate_server(&mut b, &client, b"", LIMIT)
         );
         s.unwrap();
         c.unwrap();
@@ -189,8 +206,8 @@ mod tests {
             key("correct horse battery staple"),
             key("incorrect horse battery staple"),
         );
-        let (s, c) = tokio::join!(authenticate_client(&mut a, &right, LIMIT), async {
-            let result = authenticate_server(&mut b, &wrong, LIMIT).await;
+        let (s, c) = tokio::join!(authenticate_client(&mut a, &right, b"", LIMIT), async {
+            let result = authenticate_server(&mut b, &wrong, b"", LIMIT).await;
             drop(b);
             result
         });
@@ -202,7 +219,7 @@ mod tests {
     async fn garbage_is_a_bad_greeting() {
         let (mut a, mut b) = tokio::io::duplex(256);
         let server = key("correct horse battery staple");
-        let (s, _) = tokio::join!(authenticate_client(&mut a, &server, LIMIT), async {
+        let (s, _) = tokio::join!(authenticate_client(&mut a, &server, b"", LIMIT), async {
             b.write_all(&[b'G'; CLIENT_PROOF_LEN]).await.unwrap();
         });
         assert!(matches!(s, Err(AuthError::BadGreeting)), "{s:?}");
@@ -212,8 +229,21 @@ mod tests {
     async fn a_silent_peer_times_out() {
         let (mut a, _b) = tokio::io::duplex(256);
         let server = key("correct horse battery staple");
-        let result = authenticate_client(&mut a, &server, Duration::from_millis(50)).await;
+        let result = authenticate_client(&mut a, &server, b"", Duration::from_millis(50)).await;
         assert!(matches!(result, Err(AuthError::Timeout(_))), "{result:?}");
+    }
+
+    #[tokio::test]
+    async fn different_channel_bindings_fail_even_with_the_right_secret() {
+        // What a relay terminating TLS on both sides would see: two sessions.
+        let (mut a, mut b) = tokio::io::duplex(256);
+        let server = key("correct horse battery staple");
+        let client = server.clone();
+        let (s, _) = tokio::join!(
+            authenticate_client(&mut a, &server, b"session one", LIMIT),
+            authenticate_server(&mut b, &client, b"session two", LIMIT)
+        );
+        assert!(matches!(s, Err(AuthError::WrongSecret)), "{s:?}");
     }
 
     #[test]

@@ -6,6 +6,7 @@
 //! - [`tensor`]: safetensors-shaped tables laying out bulk tensors in a frame's payload.
 //! - [`auth`]: the challenge-response every TCP connection passes before a frame is read.
 //! - [`link`]: authenticated TCP connections with heartbeats, credits and request/response.
+//! - [`tls`]: optional encryption of links, bound to the authentication.
 //!
 //! # Frame layout
 //!
@@ -47,6 +48,7 @@ pub mod frame;
 pub mod link;
 pub mod messages;
 pub mod tensor;
+pub mod tls;
 
 pub use auth::{AuthError, ClusterKey};
 pub use frame::{Frame, FrameCodec, FrameError};

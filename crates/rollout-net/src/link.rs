@@ -21,8 +21,9 @@ use tokio_util::codec::Framed;
 use crate::auth::{AuthError, ClusterKey, authenticate_client, authenticate_server};
 use crate::frame::{Frame, FrameCodec, FrameError};
 use crate::messages::{ErrorMessage, Heartbeat, Hello, Message, MessageKind};
+use crate::tls::{Stream as LinkStream, TlsContext};
 
-/// Sizes and times every connection of a run agrees on.
+/// Sizes, times and encryption every connection of a run agrees on.
 #[derive(Debug, Clone)]
 pub struct LinkLimits {
     pub max_header_bytes: u32,
@@ -35,6 +36,8 @@ pub struct LinkLimits {
     pub handshake_timeout: Duration,
     /// Requests a server accepts before the client must wait for answers.
     pub credits: u32,
+    /// Encrypt with TLS (`[cluster] tls`); every process of a run must agree.
+    pub tls: Option<TlsContext>,
 }
 
 impl Default for LinkLimits {
@@ -46,6 +49,7 @@ impl Default for LinkLimits {
             peer_timeout: Duration::from_secs(30),
             handshake_timeout: Duration::from_secs(10),
             credits: 16,
+            tls: None,
         }
     }
 }
@@ -94,7 +98,7 @@ impl NetError {
 
 /// An authenticated connection whose peer has introduced itself.
 pub struct Link {
-    framed: Framed<TcpStream, FrameCodec>,
+    framed: Framed<LinkStream, FrameCodec>,
     pub peer: Hello,
     pub peer_addr: SocketAddr,
     limits: LinkLimits,
@@ -137,13 +141,20 @@ impl Link {
             addr: addr.into(),
             reason,
         };
-        let mut stream = tokio::time::timeout(limits.handshake_timeout, TcpStream::connect(addr))
+        let stream = tokio::time::timeout(limits.handshake_timeout, TcpStream::connect(addr))
             .await
             .map_err(|_| failed("timed out".into()))?
             .map_err(|err| failed(err.to_string()))?;
         let _ = stream.set_nodelay(true);
         let peer_addr = stream.peer_addr().map_err(|err| failed(err.to_string()))?;
-        authenticate_server(&mut stream, key, limits.handshake_timeout)
+        let (mut stream, binding) = match &limits.tls {
+            Some(tls) => tokio::time::timeout(limits.handshake_timeout, tls.connect(stream))
+                .await
+                .map_err(|_| failed("the TLS handshake timed out".into()))?
+                .map_err(|err| failed(err.to_string()))?,
+            None => (LinkStream::Plain(stream), Vec::new()),
+        };
+        authenticate_server(&mut stream, key, &binding, limits.handshake_timeout)
             .await
             .map_err(|err| NetError::auth(addr, err))?;
         Self::greet(stream, peer_addr, hello, limits).await
@@ -152,7 +163,7 @@ impl Link {
     /// Authenticates an accepted connection: nothing it sends is parsed before it has proved
     /// the secret.
     pub async fn accept(
-        mut stream: TcpStream,
+        stream: TcpStream,
         key: &ClusterKey,
         hello: &Hello,
         limits: &LinkLimits,
@@ -161,15 +172,27 @@ impl Link {
             peer: "unknown peer".into(),
             reason: err.to_string(),
         })?;
+        let peer = peer_addr.to_string();
         let _ = stream.set_nodelay(true);
-        authenticate_client(&mut stream, key, limits.handshake_timeout)
+        let handshake_failed = |reason: String| NetError::Handshake {
+            peer: peer.clone(),
+            reason,
+        };
+        let (mut stream, binding) = match &limits.tls {
+            Some(tls) => tokio::time::timeout(limits.handshake_timeout, tls.accept(stream))
+                .await
+                .map_err(|_| handshake_failed("the TLS handshake timed out".into()))?
+                .map_err(|err| handshake_failed(err.to_string()))?,
+            None => (LinkStream::Plain(stream), Vec::new()),
+        };
+        authenticate_client(&mut stream, key, &binding, limits.handshake_timeout)
             .await
-            .map_err(|err| NetError::auth(&peer_addr.to_string(), err))?;
+            .map_err(|err| NetError::auth(&peer, err))?;
         Self::greet(stream, peer_addr, hello, limits).await
     }
 
     async fn greet(
-        stream: TcpStream,
+        stream: LinkStream,
         peer_addr: SocketAddr,
         hello: &Hello,
         limits: &LinkLimits,
@@ -280,8 +303,8 @@ impl Link {
     }
 }
 
-type Sink = futures_util::stream::SplitSink<Framed<TcpStream, FrameCodec>, Frame>;
-type Stream = futures_util::stream::SplitStream<Framed<TcpStream, FrameCodec>>;
+type Sink = futures_util::stream::SplitSink<Framed<LinkStream, FrameCodec>, Frame>;
+type Stream = futures_util::stream::SplitStream<Framed<LinkStream, FrameCodec>>;
 type Replies = mpsc::UnboundedSender<Result<Frame, NetError>>;
 
 struct Outgoing {

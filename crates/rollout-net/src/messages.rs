@@ -201,7 +201,7 @@ pub struct ErrorMessage {
     pub message: String,
 }
 
-/// New policy weights: `tensors` lays out the frame's payload, whose BLAKE3 digest is
+/// New policy weights: `tensors` lays out the frame's payload, whose XXH3-128 digest is
 /// `checksum` (see [`crate::tensor::checksum`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct WeightsUpdate {
@@ -284,7 +284,7 @@ pub struct PublishWeights {
     pub bucket_bytes: u64,
 }
 
-/// A weight version: its checksum (BLAKE3 over every tensor's bytes in order), size, and
+/// A weight version: its checksum (XXH3-128 over every tensor's name and bytes in order), size, and
 /// where it can be pulled from.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WeightsReport {
@@ -312,7 +312,8 @@ pub struct PullWeights {
     pub version: u64,
 }
 
-/// One bucket of a weight version; `checksum` is the BLAKE3 digest of the frame's payload.
+/// One bucket of a weight version; `checksum` is the XXH3-128 digest of the frame's payload
+/// ([`crate::tensor::checksum`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct WeightsBucket {
     pub version: u64,

@@ -269,7 +269,7 @@ async fn a_silent_peer_is_lost_after_the_timeout() {
     // Authenticates and greets, then never sends another byte (no heartbeats).
     tokio::spawn(async move {
         let (mut stream, _) = socket.accept().await.unwrap();
-        rollout_net::auth::authenticate_client(&mut stream, &server_key, LIMIT)
+        rollout_net::auth::authenticate_client(&mut stream, &server_key, b"", LIMIT)
             .await
             .unwrap();
         let mut framed = tokio_util::codec::Framed::new(stream, rollout_net::FrameCodec::new());
@@ -315,5 +315,62 @@ async fn mismatched_builds_do_not_talk() {
         .await
         .unwrap_err();
     assert!(refused.to_string().contains("same build"), "{refused}");
+    assert!(next(&mut accepted).await.is_err());
+}
+
+#[tokio::test]
+async fn tls_links_carry_requests_and_refuse_plain_peers() {
+    let secret = "the cluster secret, 32 bytes long";
+    let tls = LinkLimits {
+        tls: Some(rollout_net::tls::TlsContext::new().unwrap()),
+        ..limits()
+    };
+    let socket = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = socket.local_addr().unwrap().to_string();
+    let (tx, mut accepted) = mpsc::channel(4);
+    let server_limits = tls.clone();
+    tokio::spawn(async move {
+        loop {
+            let (stream, _) = socket.accept().await.unwrap();
+            let server = Link::accept(stream, &key(secret), &hello("worker", 4), &server_limits)
+                .await
+                .map(Link::server);
+            if tx.send(server).await.is_err() {
+                break;
+            }
+        }
+    });
+    let client_tls = LinkLimits {
+        tls: Some(rollout_net::tls::TlsContext::new().unwrap()),
+        ..limits()
+    };
+    let client = Link::connect(&addr, &key(secret), &hello("controller", 4), &client_tls)
+        .await
+        .unwrap()
+        .client();
+    let mut server: RpcServer = next(&mut accepted).await.unwrap();
+    let call = client
+        .call(&PullWeights { version: 1 }, Bytes::from(vec![9u8; 1 << 16]))
+        .unwrap();
+    let request = next(&mut server.requests).await;
+    assert_eq!(request.frame.payload.len(), 1 << 16);
+    server
+        .responder
+        .reply(request.call, &Done {}, Bytes::new(), false)
+        .unwrap();
+    call.answer::<Done>().await.unwrap();
+
+    // A peer without TLS, and a TLS peer with the wrong secret, are both refused.
+    let plain = Link::connect(&addr, &key(secret), &hello("controller", 4), &limits()).await;
+    assert!(plain.is_err());
+    assert!(next(&mut accepted).await.is_err());
+    let wrong = Link::connect(
+        &addr,
+        &key("a wrong secret, 32 bytes long too"),
+        &hello("c", 4),
+        &client_tls,
+    )
+    .await;
+    assert!(matches!(wrong, Err(NetError::Auth { .. })), "{wrong:?}");
     assert!(next(&mut accepted).await.is_err());
 }

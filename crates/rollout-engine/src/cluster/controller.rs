@@ -22,12 +22,18 @@ use crate::python::{PythonSetup, PythonWorker};
 use crate::train::{Controller, Roles, Start, Summary};
 
 /// The connection settings of a run's cluster section.
-pub fn link_limits(cluster: &ClusterConfig) -> LinkLimits {
-    LinkLimits {
+pub fn link_limits(cluster: &ClusterConfig) -> Result<LinkLimits, ClusterError> {
+    let tls = if cluster.tls {
+        Some(rollout_net::tls::TlsContext::new()?)
+    } else {
+        None
+    };
+    Ok(LinkLimits {
         heartbeat: Duration::from_secs_f64(cluster.heartbeat_seconds),
         peer_timeout: Duration::from_secs_f64(cluster.peer_timeout_seconds),
+        tls,
         ..LinkLimits::default()
-    }
+    })
 }
 
 fn controller_hello() -> Hello {
@@ -89,7 +95,11 @@ pub async fn gather(
 ) -> Result<Joined, ClusterError> {
     let cluster = &loaded.config.cluster;
     let limit = Duration::from_secs_f64(cluster.join_timeout_seconds);
-    let mut links = accept_roles(listener, key, link_limits(cluster));
+    let limits = link_limits(cluster)?;
+    if limits.tls.is_some() {
+        tracing::info!("links are encrypted (TLS 1.3, bound to the cluster secret)");
+    }
+    let mut links = accept_roles(listener, key, limits);
     let mut workers: Vec<Link> = Vec::new();
     let mut ranks: Vec<Option<Link>> = (0..cluster.trainers).map(|_| None).collect();
     let deadline = tokio::time::Instant::now() + limit;

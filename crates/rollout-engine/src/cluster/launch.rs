@@ -57,10 +57,13 @@ pub fn spawn_roles(
         ));
     }
     let mut children = Vec::with_capacity(roles.len());
-    for (name, args) in roles {
+    for (name, mut args) in roles {
         let mut command = Command::new(&exe);
         if verbose {
             command.arg("--verbose");
+        }
+        if cluster.tls {
+            args.push("--tls".into());
         }
         command
             .args(&args)

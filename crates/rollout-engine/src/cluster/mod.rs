@@ -35,6 +35,8 @@ pub enum ClusterError {
     Run(#[from] RunError),
     #[error(transparent)]
     Weights(#[from] weights::WeightsError),
+    #[error(transparent)]
+    Tls(#[from] rollout_net::tls::TlsError),
     #[error("lost the controller: {0}")]
     ControllerLost(String),
     #[error("{0}")]

@@ -34,6 +34,9 @@ pub struct RoleArgs {
     pub world_size: u32,
     /// How long to keep retrying a controller that refuses connections (not yet started).
     pub connect_retry: Duration,
+    /// Link settings, TLS included (`--tls`, which must match the controller's
+    /// `[cluster] tls`).
+    pub limits: LinkLimits,
 }
 
 /// The `host:port` other processes reach this process's weight server at: the listening
@@ -89,7 +92,7 @@ async fn connect_with_retry(args: &RoleArgs, hello: &Hello) -> Result<Link, Clus
     let deadline = tokio::time::Instant::now() + args.connect_retry;
     let mut pause = Duration::from_millis(100);
     loop {
-        match Link::connect(&args.connect, &args.key, hello, &LinkLimits::default()).await {
+        match Link::connect(&args.connect, &args.key, hello, &args.limits).await {
             Ok(link) => return Ok(link),
             Err(NetError::Connect { reason, .. }) if tokio::time::Instant::now() < deadline => {
                 tracing::debug!(
@@ -181,7 +184,7 @@ pub async fn run_worker(args: RoleArgs) -> Result<(), ClusterError> {
         listener,
         args.key.clone(),
         hello("worker", &args, info),
-        LinkLimits::default(),
+        args.limits.clone(),
         WEIGHT_WAIT,
     );
     let (ordered, mut queue) = mpsc::unbounded_channel::<Ordered>();
@@ -220,8 +223,8 @@ pub async fn run_worker(args: RoleArgs) -> Result<(), ClusterError> {
                 // The pull starts at once, while earlier generations still run.
                 let (store, key, report) = (store.clone(), args.key.clone(), weights.clone());
                 let source_hello = hello("worker", &args, serde_json::Value::Null);
+                let limits = args.limits.clone();
                 let pulled = tokio::spawn(async move {
-                    let limits = LinkLimits::default();
                     let source = Link::connect(&report.source, &key, &source_hello, &limits)
                         .await?
                         .client();
@@ -341,7 +344,7 @@ pub async fn run_trainer(args: RoleArgs) -> Result<(), ClusterError> {
             listener,
             args.key.clone(),
             hello("trainer", &args, info),
-            LinkLimits::default(),
+            args.limits.clone(),
             WEIGHT_WAIT,
         );
     }

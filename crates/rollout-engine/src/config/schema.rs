@@ -362,6 +362,9 @@ pub struct ClusterConfig {
     pub backend: String,
     /// Gradient all-reduce precision: "none" (float32), "fp16" or "bf16" (half the bytes).
     pub gradient_compression: GradientCompression,
+    /// Encrypt every link with TLS 1.3 (self-signed identities; the cluster secret proves
+    /// who is who, bound to the TLS session). Roles started elsewhere need `--tls`.
+    pub tls: bool,
 }
 
 impl Default for ClusterConfig {
@@ -378,6 +381,7 @@ impl Default for ClusterConfig {
             weight_bucket_bytes: 16 << 20,
             backend: "auto".into(),
             gradient_compression: GradientCompression::None,
+            tls: false,
         }
     }
 }

@@ -72,7 +72,10 @@ impl CallbackSet {
     }
 
     pub fn on_checkpoint(&self, py: Python<'_>, step: u64, path: &std::path::Path) {
-        self.each(py, "on_checkpoint", |_| Ok((step, path.to_path_buf())));
+        // The SDK promises a `str` (a `PathBuf` would arrive as a `pathlib.Path`).
+        self.each(py, "on_checkpoint", |_| {
+            Ok((step, path.to_string_lossy().into_owned()))
+        });
     }
 
     pub fn on_run_end(&self, py: Python<'_>, summary: &serde_json::Value) {

@@ -1,0 +1,220 @@
+//! Optional encryption of every link (`[cluster] tls = true`), with no certificates to manage.
+//!
+//! Each process makes a fresh self-signed certificate; the client accepts any certificate.
+//! That alone would let a man in the middle through, so the secret-based authentication
+//! ([`crate::auth`]) then runs inside the TLS session and binds its MACs to the session's
+//! exported keying material (RFC 8446 section 7.5): a relay that terminated TLS on both sides
+//! would see two different sessions and fail it. Both sides therefore end up holding the
+//! cluster secret and the same encrypted session.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use rcgen::{CertifiedKey, generate_simple_self_signed};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+use tokio_rustls::rustls::client::danger::{
+    HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier,
+};
+use tokio_rustls::rustls::crypto::{CryptoProvider, ring};
+use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+use tokio_rustls::rustls::{ClientConfig, DigitallySignedStruct, ServerConfig, SignatureScheme};
+use tokio_rustls::{TlsAcceptor, TlsConnector};
+
+const EXPORTER_LABEL: &[u8] = b"EXPORTER-rollout-cluster-auth";
+const SERVER_NAME: &str = "rollout";
+
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("cannot set up TLS: {0}")]
+    Setup(String),
+    #[error("TLS handshake failed (does the peer have `[cluster] tls` set the same way?): {0}")]
+    Handshake(std::io::Error),
+}
+
+/// This process's TLS identity and settings, shared by all its links.
+#[derive(Clone)]
+pub struct TlsContext {
+    acceptor: TlsAcceptor,
+    connector: TlsConnector,
+}
+
+impl std::fmt::Debug for TlsContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TlsContext(..)")
+    }
+}
+
+fn provider() -> Arc<CryptoProvider> {
+    Arc::new(ring::default_provider())
+}
+
+impl TlsContext {
+    /// A fresh self-signed identity (TLS 1.3 only).
+    pub fn new() -> Result<Self, TlsError> {
+        let setup = |err: &dyn std::fmt::Display| TlsError::Setup(err.to_string());
+        let CertifiedKey { cert, signing_key } =
+            generate_simple_self_signed(vec![SERVER_NAME.to_owned()]).map_err(|e| setup(&e))?;
+        let key = PrivateKeyDer::try_from(signing_key.serialize_der()).map_err(|e| setup(&e))?;
+        let server = ServerConfig::builder_with_provider(provider())
+            .with_protocol_versions(&[&tokio_rustls::rustls::version::TLS13])
+            .map_err(|e| setup(&e))?
+            .with_no_client_auth()
+            .with_single_cert(vec![cert.der().clone()], key)
+            .map_err(|e| setup(&e))?;
+        let client = ClientConfig::builder_with_provider(provider())
+            .with_protocol_versions(&[&tokio_rustls::rustls::version::TLS13])
+            .map_err(|e| setup(&e))?
+            .dangerous()
+            .with_custom_certificate_verifier(Arc::new(SecretBoundVerifier(provider())))
+            .with_no_client_auth();
+        Ok(Self {
+            acceptor: TlsAcceptor::from(Arc::new(server)),
+            connector: TlsConnector::from(Arc::new(client)),
+        })
+    }
+
+    /// The server side of a TLS session, and its channel binding.
+    pub async fn accept(&self, stream: TcpStream) -> Result<(Stream, Vec<u8>), TlsError> {
+        let stream = self
+            .acceptor
+            .accept(stream)
+            .await
+            .map_err(TlsError::Handshake)?;
+        let binding = export(|out| {
+            stream
+                .get_ref()
+                .1
+                .export_keying_material(out, EXPORTER_LABEL, None)
+        })?;
+        Ok((Stream::Server(Box::new(stream)), binding))
+    }
+
+    /// The client side of a TLS session, and its channel binding.
+    pub async fn connect(&self, stream: TcpStream) -> Result<(Stream, Vec<u8>), TlsError> {
+        let name = ServerName::try_from(SERVER_NAME).map_err(|e| TlsError::Setup(e.to_string()))?;
+        let stream = self
+            .connector
+            .connect(name, stream)
+            .await
+            .map_err(TlsError::Handshake)?;
+        let binding = export(|out| {
+            stream
+                .get_ref()
+                .1
+                .export_keying_material(out, EXPORTER_LABEL, None)
+        })?;
+        Ok((Stream::Client(Box::new(stream)), binding))
+    }
+}
+
+fn export(
+    exporter: impl FnOnce(&mut [u8; 32]) -> Result<&mut [u8; 32], tokio_rustls::rustls::Error>,
+) -> Result<Vec<u8>, TlsError> {
+    let mut binding = [0u8; 32];
+    exporter(&mut binding).map_err(|e| TlsError::Setup(format!("no keying material: {e}")))?;
+    Ok(binding.to_vec())
+}
+
+/// Accepts the server's certificate as it is: who the server is gets proved afterwards, by
+/// the secret-based authentication bound to this session. Signatures are still checked, so
+/// the server must hold the key of the certificate it sent.
+#[derive(Debug)]
+struct SecretBoundVerifier(Arc<CryptoProvider>);
+
+impl ServerCertVerifier for SecretBoundVerifier {
+    fn verify_server_cert(
+        &self,
+        _end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp_response: &[u8],
+        _now: UnixTime,
+    ) -> Result<ServerCertVerified, tokio_rustls::rustls::Error> {
+        Ok(ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, tokio_rustls::rustls::Error> {
+        tokio_rustls::rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, tokio_rustls::rustls::Error> {
+        tokio_rustls::rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+/// A link's byte stream: plain TCP or TLS over it.
+pub enum Stream {
+    Plain(TcpStream),
+    Client(Box<tokio_rustls::client::TlsStream<TcpStream>>),
+    Server(Box<tokio_rustls::server::TlsStream<TcpStream>>),
+}
+
+impl AsyncRead for Stream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            Stream::Client(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+            Stream::Server(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Stream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_write(cx, buf),
+            Stream::Client(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+            Stream::Server(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_flush(cx),
+            Stream::Client(s) => Pin::new(s.as_mut()).poll_flush(cx),
+            Stream::Server(s) => Pin::new(s.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Stream::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            Stream::Client(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+            Stream::Server(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+        }
+    }
+}

@@ -1,0 +1,238 @@
+"""End to end: data transforms, callbacks and draft-model speculation, through the `rollout`
+binary (plugins from tests/fixtures/binary_plugins.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.e2e.test_rollout_binary import ROLLOUT, artifacts, metrics, run, write_config
+
+__all__ = ["artifacts"]
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+FIXTURE_PATHS = f"""
+[python]
+paths = ["{FIXTURES}"]
+"""
+
+
+def rollout(command: str, config: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(
+        [str(ROLLOUT), command, str(config), *args],
+        capture_output=True,
+        text=True,
+        cwd=config.parent,
+        timeout=300,
+    )
+    if result.returncode != 0:
+        pytest.fail(f"rollout {command} exited {result.returncode}\n{result.stderr[-6000:]}")
+    return result
+
+
+def jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# ---------------------------------------------------------------------------------------------
+# [[data.transforms]]
+
+RECORDS = [
+    {"question": "1+2=", "answer": "3"},
+    {"question": "9+1=", "answer": "10"},
+    {"question": "4+4=", "answer": "8"},
+    {"question": "2+9=", "answer": "11"},
+]
+# The built-in Template wraps the question, then the fixture drops prompts with a 9 and tags the
+# rest: the tag only survives if the fixture ran second (Template rewrites the whole prompt).
+TRANSFORMS = """
+[[data.transforms]]
+plugin = "python_plugins.data:Template"
+options = { template = "({question})" }
+
+[[data.transforms]]
+plugin = "binary_plugins:DropAndTag"
+options = { drop = "9", tag = "sum " }
+"""
+KEPT = ["sum (1+2=)", "sum (4+4=)"]
+
+
+def test_data_transforms_run_in_order_and_drop_records(tmp_path: Path, artifacts: Path) -> None:
+    data = tmp_path / "records.jsonl"
+    data.write_text("".join(json.dumps(record) + "\n" for record in RECORDS))
+    config = write_config(tmp_path, artifacts, steps=2, extra=FIXTURE_PATHS + TRANSFORMS)
+    train = str(artifacts / "data" / "train.jsonl")
+    assert train in config.read_text()
+    config.write_text(config.read_text().replace(train, str(data)))
+
+    checked = rollout("check", config)
+    match = re.search(r"data\s+(\d+) records, .*first prompt (\".*\")$", checked.stdout, re.MULTILINE)
+    assert match, checked.stdout
+    assert int(match.group(1)) == len(KEPT)
+    assert json.loads(match.group(2)) == KEPT[0]
+
+    # Two prompts a step from two records: each step draws every kept record.
+    run(config, "--set", "run.log_samples=8")
+    samples = jsonl(tmp_path / "out" / "samples.jsonl")
+    assert len(samples) == 2 * 8
+    assert sorted({sample["prompt"] for sample in samples}) == KEPT
+    assert not [s["prompt"] for s in samples if "9" in s["prompt"]], "a dropped record was sampled"
+    # The transformed prompt is what the policy read, not only what was logged.
+    tokenizer = AutoTokenizer.from_pretrained(artifacts / "model")
+    for sample in samples:
+        prompt_ids = [
+            t for t, generated in zip(sample["tokens"], sample["generated"], strict=True) if not generated
+        ]
+        assert tokenizer.decode(prompt_ids) == sample["prompt"]
+
+
+# ---------------------------------------------------------------------------------------------
+# [[callbacks]]
+
+
+def callbacks(failing: Path, recording: Path) -> str:
+    # The failing callback comes first: the one after it must still see every hook.
+    return f"""
+[[callbacks]]
+plugin = "binary_plugins:FailingHooks"
+options = {{ path = "{failing}" }}
+
+[[callbacks]]
+plugin = "binary_plugins:RecordHooks"
+options = {{ path = "{recording}" }}
+"""
+
+
+def test_callbacks_see_every_hook_and_a_raising_one_is_switched_off(tmp_path: Path, artifacts: Path) -> None:
+    failing, recording = tmp_path / "failing.jsonl", tmp_path / "recording.jsonl"
+    out = tmp_path / "out"
+    config = write_config(tmp_path, artifacts, steps=3, extra=FIXTURE_PATHS + callbacks(failing, recording))
+    result = run(config)
+    assert "done: 3 steps" in result.stdout
+    lines = metrics(tmp_path)
+    assert [line["step"] for line in lines] == [1, 2, 3]
+
+    events = jsonl(recording)
+    # SFT ends with a checkpoint (step 0); `[checkpoint] every = 2`, and the run's end.
+    assert [(e["event"], e.get("step")) for e in events] == [
+        ("run_start", None),
+        ("checkpoint", 0),
+        ("step_end", 1),
+        ("step_end", 2),
+        ("checkpoint", 2),
+        ("step_end", 3),
+        ("checkpoint", 3),
+        ("run_end", None),
+    ]
+    start = events[0]
+    assert start["total_steps"] == 3 and start["config_steps"] == 3
+    assert start["start_step"] == 0
+    assert start["name"] == "e2e" and Path(start["output_dir"]) == out
+
+    step_ends = [e for e in events if e["event"] == "step_end"]
+    assert [e["metrics"]["reward_mean"] for e in step_ends] == [line["reward_mean"] for line in lines]
+    assert [e["metrics"] for e in step_ends] == lines, "on_step_end gets the metrics.jsonl line"
+
+    checkpoints = [e for e in events if e["event"] == "checkpoint"]
+    for event in checkpoints:
+        name = f"step-{event['step']:08d}"
+        assert Path(event["path"]) == out / "checkpoints" / name
+        # Complete when the hook runs: state, manifest, and `latest` naming it.
+        assert event["is_dir"] and event["has_manifest"], event
+        assert event["state_step"] == event["step"]
+        assert event["latest"] == name
+    last = Path(checkpoints[-1]["path"])
+    assert last.is_dir() and json.loads((last / "state.json").read_text())["step"] == 3
+
+    end = events[-1]["summary"]
+    assert end["steps_completed"] == 3 and end["interrupted"] is False
+    assert Path(end["checkpoint"]) == last
+    assert json.loads((out / "summary.json").read_text())["checkpoint"] == end["checkpoint"]
+
+    # The raising callback got its first on_step_end and nothing after: it was switched off.
+    assert [(e["event"], e.get("step")) for e in jsonl(failing)] == [
+        ("run_start", None),
+        ("checkpoint", 0),
+        ("step_end", 1),
+    ]
+    errors = [line for line in result.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1, result.stderr
+    assert "plugin `binary_plugins:FailingHooks`" in errors[0]
+    assert "failed in `on_step_end`" in errors[0]
+    assert "deliberate callback failure at step 1" in errors[0]
+    assert "Traceback" in result.stderr
+    assert "this callback is switched off for the rest of the run" in result.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# [engine.speculation] method = "draft_model"
+
+DRAFT_MODEL = """
+[engine.speculation]
+method = "draft_model"
+"""
+GREEDY = (
+    "--set",
+    "rollout.temperature=0",
+    "--set",
+    "rollout.max_new_tokens=12",
+    "--set",
+    "rollout.ignore_eos=true",
+    "--limit",
+    "8",
+)
+
+
+@pytest.fixture(scope="module")
+def draft_model(artifacts: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The target's first layer alone (same embeddings, head and tokenizer): a smaller model
+    whose greedy tokens agree with the target's only sometimes, so drafts are both accepted
+    and rejected."""
+    directory = tmp_path_factory.mktemp("draft")
+    model = AutoModelForCausalLM.from_pretrained(artifacts / "model")
+    assert model.config.num_hidden_layers == 2
+    model.model.layers = model.model.layers[:1]
+    model.config.num_hidden_layers = 1
+    model.save_pretrained(directory)
+    AutoTokenizer.from_pretrained(artifacts / "model").save_pretrained(directory)
+    return directory
+
+
+def generate(config: Path, output: Path, *args: str) -> tuple[list[dict], dict]:
+    result = rollout("generate", config, *GREEDY, "--output", str(output), *args)
+    stats = json.loads(result.stdout.strip().splitlines()[-1])
+    return jsonl(output), stats
+
+
+def test_draft_model_speculation_trains_and_keeps_greedy_tokens(
+    tmp_path: Path, artifacts: Path, draft_model: Path
+) -> None:
+    draft_option = f"policy.options.draft_model_path={draft_model}"
+    config = write_config(tmp_path, artifacts, steps=3, extra=DRAFT_MODEL)
+    run(config, "--set", draft_option)
+    lines = metrics(tmp_path)
+    assert [line["step"] for line in lines] == [1, 2, 3]
+    for line in lines:
+        drafted, accepted = line["engine/drafted_tokens"], line["engine/accepted_tokens"]
+        assert drafted > 0
+        assert 0 <= accepted <= drafted
+        assert line["engine/acceptance_rate"] == pytest.approx(accepted / drafted)
+
+    speculative, with_drafts = generate(config, tmp_path / "speculative.jsonl", "--set", draft_option)
+    plain, without = generate(config, tmp_path / "plain.jsonl", "--set", 'engine.speculation.method="off"')
+    assert "engine/drafted_tokens" not in without
+    # Both paths of the verifier ran: some drafts were accepted, some rejected.
+    assert 0 < with_drafts["engine/accepted_tokens"] < with_drafts["engine/drafted_tokens"]
+    # Accepted drafts save decode steps.
+    assert with_drafts["engine/steps"] < without["engine/steps"]
+    assert len(speculative) == len(plain) == 8 * 4
+    assert [c["token_ids"] for c in speculative] == [c["token_ids"] for c in plain]
+    assert all(len(c["token_ids"]) == 12 for c in plain)
+    for fast, slow in zip(speculative, plain, strict=True):
+        assert torch.allclose(torch.tensor(fast["logprobs"]), torch.tensor(slow["logprobs"]), atol=1e-5)
