@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use rollout_engine::cluster::weights::{TensorBytes, VersionBuffer, WeightStore, version_checksum};
+use rollout_engine::cluster::weights::{TensorBytes, VersionBuffer, WeightStore};
 use rollout_net::ClusterKey;
 use rollout_net::link::{Link, LinkLimits};
 use rollout_net::messages::{Hello, WeightsReport};
@@ -71,6 +71,51 @@ async fn raw_loopback(total: usize) -> f64 {
     total as f64 / started.elapsed().as_secs_f64()
 }
 
+/// Bytes per second delivered to the last of `hops` raw loopback TCP relays (source -> r1 ->
+/// ... -> r_hops, each forwarding 1 MiB reads as they arrive): the same topology as the
+/// weight chain without framing, checksums or buffering.
+async fn raw_chain(total: usize, hops: usize) -> f64 {
+    let mut listeners = Vec::new();
+    for _ in 0..hops {
+        listeners.push(TcpListener::bind("127.0.0.1:0").await.unwrap());
+    }
+    let addrs: Vec<_> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
+    let mut relays = Vec::new();
+    for (index, listener) in listeners.into_iter().enumerate() {
+        let next = addrs.get(index + 1).copied();
+        relays.push(tokio::spawn(async move {
+            let (mut upstream, _) = listener.accept().await.unwrap();
+            let mut downstream = match next {
+                Some(addr) => Some(TcpStream::connect(addr).await.unwrap()),
+                None => None,
+            };
+            let mut buffer = vec![0u8; 1 << 20];
+            let mut seen = 0;
+            while seen < total {
+                let n = upstream.read(&mut buffer).await.unwrap();
+                assert!(n > 0);
+                if let Some(downstream) = downstream.as_mut() {
+                    downstream.write_all(&buffer[..n]).await.unwrap();
+                }
+                seen += n;
+            }
+        }));
+    }
+    let chunk = vec![7u8; 16 << 20];
+    let started = Instant::now();
+    let mut stream = TcpStream::connect(addrs[0]).await.unwrap();
+    let mut sent = 0;
+    while sent < total {
+        let n = chunk.len().min(total - sent);
+        stream.write_all(&chunk[..n]).await.unwrap();
+        sent += n;
+    }
+    for relay in relays {
+        relay.await.unwrap();
+    }
+    total as f64 / started.elapsed().as_secs_f64()
+}
+
 async fn serve(store: &WeightStore, key: &ClusterKey, name: &str) -> String {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();
@@ -98,7 +143,7 @@ async fn sync(
     let buffer = VersionBuffer::from_tensors(version, weights, bucket_bytes).unwrap();
     let report = WeightsReport {
         version,
-        checksum: version_checksum(weights),
+        checksum: buffer.checksum(),
         bytes: buffer.bytes(),
         source: trainer_addr.into(),
         holder: "trainer".into(),
@@ -120,7 +165,7 @@ async fn sync(
             .await
             .unwrap();
             let pulled = store.pull(&link.client(), &report).await.unwrap();
-            assert_eq!(pulled.checksum().unwrap(), report.checksum);
+            assert_eq!(pulled.checksum(), report.checksum);
         }));
         source = addr.clone();
     }
@@ -128,6 +173,11 @@ async fn sync(
         pull.await.unwrap();
     }
     started.elapsed().as_secs_f64()
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
 }
 
 fn main() {
@@ -157,10 +207,14 @@ fn main() {
                 let addr = serve(&store, &key, &format!("worker-{index}")).await;
                 workers.push((store, addr));
             }
-            let raw = raw_loopback(model_bytes as usize).await;
+            // The baselines are measured between the syncs, so all three see the same machine.
+            let mut raws = Vec::new();
+            let mut raw_relays = Vec::new();
             let mut seconds = Vec::new();
             let mut egress_bytes = 0;
             for _ in 0..repeats {
+                raws.push(raw_loopback(model_bytes as usize).await);
+                raw_relays.push(raw_chain(model_bytes as usize, count).await);
                 version += 1;
                 let sent_before = trainer.sent_bytes.load(Ordering::Relaxed);
                 seconds.push(
@@ -168,23 +222,28 @@ fn main() {
                 );
                 egress_bytes += trainer.sent_bytes.load(Ordering::Relaxed) - sent_before;
             }
-            seconds.sort_by(f64::total_cmp);
-            let median = seconds[seconds.len() / 2];
+            let raw = median(&mut raws);
+            let raw_relay = median(&mut raw_relays);
+            let median = median(&mut seconds);
             let delivered = model_bytes as f64 / median;
             eprintln!(
-                "{count} workers: {median:.3} s per sync, {:.2} GB/s to the last worker, raw loopback {:.2} GB/s",
+                "{count} workers: {median:.3} s per sync, {:.2} GB/s to the last worker; raw loopback {:.2} GB/s, raw relay chain {:.2} GB/s",
                 delivered / 1e9,
-                raw / 1e9
+                raw / 1e9,
+                raw_relay / 1e9
             );
             rows.push(serde_json::json!({
                 "workers": count,
                 "model_bytes": model_bytes,
                 "bucket_bytes": bucket_bytes,
                 "seconds": seconds,
+                "raw_loopback_samples": raws,
                 "seconds_median": median,
                 "bytes_per_second": delivered,
                 "raw_loopback_bytes_per_second": raw,
                 "fraction_of_loopback": delivered / raw,
+                "raw_relay_chain_bytes_per_second": raw_relay,
+                "fraction_of_raw_relay_chain": delivered / raw_relay,
                 "trainer_egress_per_model_bytes": egress_bytes as f64 / (repeats as u64 * model_bytes) as f64,
             }));
         }

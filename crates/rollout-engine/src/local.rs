@@ -15,7 +15,7 @@ use rollout_net::messages::{
 };
 use rollout_net::tensor::TensorMeta;
 
-use crate::cluster::weights::{TensorBytes, version_checksum};
+use crate::cluster::weights::{TensorBytes, VersionBuffer};
 use crate::config::LoadedConfig;
 use crate::generation::PagedGenerator;
 use crate::plugins::{
@@ -249,13 +249,15 @@ impl Learner for PolicyHost {
 
     /// Reports the version and checksum of the weights this process holds; nothing is
     /// copied for an in-process generator.
-    fn publish_weights(&self, _bucket_bytes: u64) -> RoleFuture<'_, WeightsReport> {
+    fn publish_weights(&self, bucket_bytes: u64) -> RoleFuture<'_, WeightsReport> {
         boxed(async move {
             let (version, tensors) = self.export_weights().await?;
+            let buffer = VersionBuffer::from_tensors(version, &tensors, bucket_bytes)
+                .map_err(|err| RoleError::Protocol(err.to_string()))?;
             Ok(WeightsReport {
                 version,
-                checksum: version_checksum(&tensors),
-                bytes: tensors.iter().map(|t| t.data.len() as u64).sum(),
+                checksum: buffer.checksum(),
+                bytes: buffer.bytes(),
                 source: String::new(),
                 holder: "local".into(),
             })

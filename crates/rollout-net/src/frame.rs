@@ -260,10 +260,10 @@ impl Decoder for FrameCodec {
     }
 }
 
-impl Encoder<Frame> for FrameCodec {
-    type Error = FrameError;
-
-    fn encode(&mut self, frame: Frame, dst: &mut BytesMut) -> Result<(), FrameError> {
+impl FrameCodec {
+    /// Writes a frame's preamble and header (not its payload) to `dst`, after checking both
+    /// lengths: for writers that send a large payload straight from its buffer.
+    pub fn encode_head(&self, frame: &Frame, dst: &mut BytesMut) -> Result<(), FrameError> {
         let header_len = frame.header.len() as u64;
         let payload_len = frame.payload.len() as u64;
         self.check_header_len(header_len)?;
@@ -272,11 +272,7 @@ impl Encoder<Frame> for FrameCodec {
             len: header_len,
             max: u64::from(u32::MAX),
         })?;
-        dst.reserve(
-            PREAMBLE_LEN
-                .saturating_add(frame.header.len())
-                .saturating_add(frame.payload.len()),
-        );
+        dst.reserve(PREAMBLE_LEN.saturating_add(frame.header.len()));
         Preamble {
             kind: frame.kind,
             header_len,
@@ -284,6 +280,15 @@ impl Encoder<Frame> for FrameCodec {
         }
         .write(dst);
         dst.extend_from_slice(&frame.header);
+        Ok(())
+    }
+}
+
+impl Encoder<Frame> for FrameCodec {
+    type Error = FrameError;
+
+    fn encode(&mut self, frame: Frame, dst: &mut BytesMut) -> Result<(), FrameError> {
+        self.encode_head(&frame, dst)?;
         dst.extend_from_slice(&frame.payload);
         Ok(())
     }

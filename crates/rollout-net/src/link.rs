@@ -11,12 +11,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use futures_util::{SinkExt, StreamExt};
+use tokio::io::{AsyncWriteExt, ReadHalf, WriteHalf};
 use serde::{Deserialize, Serialize};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
-use tokio_util::codec::Framed;
+use tokio_util::codec::{Framed, FramedRead};
 
 use crate::auth::{AuthError, ClusterKey, authenticate_client, authenticate_server};
 use crate::frame::{Frame, FrameCodec, FrameError};
@@ -246,7 +247,7 @@ impl Link {
             peer: peer.clone(),
         });
         let (outgoing, queue) = mpsc::unbounded_channel::<Outgoing>();
-        let (sink, stream) = self.framed.split();
+        let (sink, stream) = split(self.framed);
         let credits = Arc::new(Semaphore::new(credits));
         tokio::spawn(client_writer(
             sink,
@@ -272,7 +273,7 @@ impl Link {
     /// the socket is not read, so the peer's writes back up), answers go through `responder`.
     pub fn server(self) -> RpcServer {
         let peer = self.describe();
-        let (sink, stream) = self.framed.split();
+        let (sink, stream) = split(self.framed);
         let (outgoing, queue) = mpsc::unbounded_channel::<Frame>();
         let (incoming, requests) = mpsc::channel(self.limits.credits.max(1) as usize);
         let (reader_done, stop_writing) = tokio::sync::oneshot::channel::<()>();
@@ -303,8 +304,48 @@ impl Link {
     }
 }
 
-type Sink = futures_util::stream::SplitSink<Framed<LinkStream, FrameCodec>, Frame>;
-type Stream = futures_util::stream::SplitStream<Framed<LinkStream, FrameCodec>>;
+type Stream = FramedRead<ReadHalf<LinkStream>, FrameCodec>;
+
+/// Writes frames with their payloads sent straight from their buffers (a weight bucket is
+/// not copied into a write buffer first).
+struct Sink {
+    stream: WriteHalf<LinkStream>,
+    codec: FrameCodec,
+    head: BytesMut,
+}
+
+impl Sink {
+    async fn send(&mut self, frame: Frame) -> Result<(), FrameError> {
+        self.head.clear();
+        self.codec.encode_head(&frame, &mut self.head)?;
+        self.stream.write_all(&self.head).await?;
+        if !frame.payload.is_empty() {
+            self.stream.write_all(&frame.payload).await?;
+        }
+        Ok(())
+    }
+
+    async fn close(&mut self) -> Result<(), FrameError> {
+        self.stream.shutdown().await?;
+        Ok(())
+    }
+}
+
+/// Splits a link's framed stream into its reading and writing halves, keeping bytes the
+/// greeting read ahead.
+fn split(framed: Framed<LinkStream, FrameCodec>) -> (Sink, Stream) {
+    let parts = framed.into_parts();
+    let codec = parts.codec.clone();
+    let (read, write) = tokio::io::split(parts.io);
+    let mut reader = FramedRead::new(read, parts.codec);
+    reader.read_buffer_mut().extend_from_slice(&parts.read_buf);
+    let sink = Sink {
+        stream: write,
+        codec,
+        head: BytesMut::new(),
+    };
+    (sink, reader)
+}
 type Replies = mpsc::UnboundedSender<Result<Frame, NetError>>;
 
 struct Outgoing {

@@ -16,7 +16,7 @@ use rollout_net::{ClusterKey, NetError};
 use tokio::sync::mpsc;
 
 use super::ClusterError;
-use super::weights::{VersionBuffer, WeightStore, version_checksum};
+use super::weights::{VersionBuffer, WeightStore};
 use crate::config::{LoadedConfig, load_text};
 use crate::local::PolicyHost;
 use crate::python::{PythonSetup, PythonWorker};
@@ -402,11 +402,10 @@ async fn publish(
     name: &str,
 ) -> Result<WeightsReport, RoleError> {
     let (version, tensors) = host.export_weights().await?;
-    let bytes = tensors.iter().map(|t| t.data.len() as u64).sum();
-    let checksum = version_checksum(&tensors);
+    let buffer = VersionBuffer::from_tensors(version, &tensors, request.bucket_bytes)
+        .map_err(|err| RoleError::Protocol(err.to_string()))?;
+    let (bytes, checksum) = (buffer.bytes(), buffer.checksum());
     if !weights_address.is_empty() {
-        let buffer = VersionBuffer::from_tensors(version, &tensors, request.bucket_bytes)
-            .map_err(|err| RoleError::Protocol(err.to_string()))?;
         store.publish(Arc::new(buffer));
     }
     Ok(WeightsReport {

@@ -378,7 +378,7 @@ impl Default for ClusterConfig {
             heartbeat_seconds: 2.0,
             peer_timeout_seconds: 60.0,
             join_timeout_seconds: 300.0,
-            weight_bucket_bytes: 16 << 20,
+            weight_bucket_bytes: 8 << 20,
             backend: "auto".into(),
             gradient_compression: GradientCompression::None,
             tls: false,

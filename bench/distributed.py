@@ -1,0 +1,316 @@
+"""Distributed Rollout benchmark: weight sync, asynchronous vs synchronous RL, controller capacity.
+
+Writes bench/results/distributed.json. Run `bench/distributed` (it sets up the environment).
+
+- Weight sync of the ~25M model (the `small` model of bench/e2e) to 1, 2 and 4 workers over
+  loopback: the transport alone (examples/weight_sync.rs: trainer store -> relay chain of
+  worker stores, against raw loopback TCP measured between the syncs), and end to end in a real
+  `rollout launch` (export from torch, buckets, relay, verify, import into torch).
+- Asynchronous (max_staleness 1) vs synchronous (0) completions/s with the same processes on a
+  heavy-tailed completion-length workload, and the learning curves of both from one checkpoint.
+- Controller capacity with simulated generation workers (examples/controller_capacity.rs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.e2e.report import learning_verdict  # noqa: E402
+from bench.e2e.runs import SIZES, write_toml  # noqa: E402
+from python_plugins.quickstart import (  # noqa: E402
+    QUICKSTART_MODEL,
+    TEST_EXAMPLES,
+    TRAIN_EXAMPLES,
+    create_tiny_model,
+    write_addition_splits,
+)
+
+RESULTS = REPO / "bench" / "results" / "distributed.json"
+ROLLOUT = REPO / "target" / "release" / "rollout"
+EXAMPLES = REPO / "target" / "release" / "examples"
+WORKER_COUNTS = (1, 2, 4)
+BUCKET_BYTES = 8 << 20
+
+
+def cargo_example(name: str) -> Path:
+    env = {**os.environ, "PYO3_PYTHON": sys.executable}
+    subprocess.run(
+        ["cargo", "build", "--release", "--quiet", "-p", "rollout-engine", "--example", name],
+        cwd=REPO,
+        env=env,
+        check=True,
+    )
+    return EXAMPLES / name
+
+
+def launch(config: Path, *overrides: str, timeout: float = 1800) -> list[dict[str, Any]]:
+    args = [str(ROLLOUT), "launch", str(config), "--overwrite"]
+    for override in overrides:
+        args += ["--set", override]
+    log = config.with_suffix(".log")
+    with log.open("w") as out:
+        subprocess.run(args, stdout=out, stderr=subprocess.STDOUT, check=True, timeout=timeout, cwd=REPO)
+    output_dir = next(o.split("=", 1)[1] for o in overrides if o.startswith("run.output_dir="))
+    lines = (Path(output_dir) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def policy(model: Path, threads: int = 1) -> dict[str, Any]:
+    return {
+        "plugin": "python_plugins.hf_policy:HFCausalLM",
+        "options": {"model_path": str(model), "torch_threads": threads},
+    }
+
+
+def base_config(model: Path, data: Path, **sections: dict[str, Any]) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "run": {"name": "bench-distributed", "seed": 0},
+        "policy": policy(model),
+        "data": {
+            "plugin": "python_plugins.data:JsonlPrompts",
+            "options": {"path": str(data), "template": "{question}"},
+        },
+        "[]rewards": {"plugin": "python_plugins.rewards:ExactMatch"},
+        "train": {"learning_rate": 5e-5, "micro_batch_tokens": 4096},
+    }
+    for name, values in sections.items():
+        config[name] = {**config.get(name, {}), **values}
+    return config
+
+
+# Weight sync
+
+
+def weight_sync_transport(work: Path, small: Path, repeats: int) -> list[dict[str, Any]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(small)
+    layout = [[name, list(p.shape)] for name, p in model.named_parameters() if p.requires_grad]
+    layout_path = work / "small-layout.json"
+    layout_path.write_text(json.dumps(layout))
+    binary = cargo_example("weight_sync")
+    counts = [str(n) for n in WORKER_COUNTS]
+    result = subprocess.run(
+        [str(binary), str(layout_path), str(BUCKET_BYTES), str(repeats), *counts],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    print(result.stderr, end="", flush=True)
+    return json.loads(result.stdout)["transport"]
+
+
+def weight_sync_end_to_end(work: Path, small: Path, data: Path, steps: int) -> list[dict[str, Any]]:
+    rows = []
+    for workers in WORKER_COUNTS:
+        config = work / f"sync-{workers}.toml"
+        write_toml(
+            config,
+            base_config(
+                small,
+                data,
+                run={"steps": steps},
+                rollout={"prompts_per_step": 4, "group_size": 4, "max_new_tokens": 8},
+                cluster={
+                    "workers": workers,
+                    "trainers": 1,
+                    "max_staleness": 0,
+                    "weight_bucket_bytes": BUCKET_BYTES,
+                },
+            ),
+        )
+        lines = launch(config, f"run.output_dir={work / f'sync-{workers}'}")
+        seconds = [line["weight_sync_seconds"] for line in lines[1:]]
+        rows.append({"workers": workers, "seconds": seconds, "seconds_median": statistics.median(seconds)})
+        print(f"  end to end, {workers} workers: {statistics.median(seconds):.3f} s per sync", flush=True)
+    return rows
+
+
+# Asynchronous vs synchronous
+
+
+def heavy_tailed_data(path: Path, source: Path, group_size: int, seed: int) -> Path:
+    """The addition prompts with per-sample budgets from a Pareto tail (4 to 96 tokens)."""
+    rng = random.Random(seed)
+    lines = []
+    for line in source.read_text().splitlines():
+        record = json.loads(line)
+        record["budget"] = [min(96, int(4 * rng.paretovariate(1.1))) for _ in range(group_size)]
+        lines.append(json.dumps(record))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def completions_per_second(lines: Sequence[dict[str, Any]], warmup: int) -> float:
+    steps = lines[warmup:]
+    seconds = steps[-1]["elapsed_seconds"] - lines[warmup - 1]["elapsed_seconds"]
+    return sum(line["completions"] for line in steps) / seconds
+
+
+def async_throughput(work: Path, model: Path, data: Path, steps: int, repeats: int) -> dict[str, Any]:
+    group = 8
+    tailed = heavy_tailed_data(work / "heavy-tailed.jsonl", data, group, seed=1)
+    runs: dict[str, list[float]] = {"sync": [], "async": []}
+    for repeat in range(repeats):
+        order = ("sync", "async") if repeat % 2 == 0 else ("async", "sync")
+        for mode in order:
+            config = work / f"throughput-{mode}.toml"
+            write_toml(
+                config,
+                base_config(
+                    model,
+                    tailed,
+                    run={"steps": steps},
+                    rollout={
+                        "prompts_per_step": 16,
+                        "group_size": group,
+                        "max_new_tokens": 96,
+                        "max_new_tokens_field": "budget",
+                        "ignore_eos": True,
+                    },
+                    cluster={"workers": 2, "trainers": 1, "max_staleness": 1 if mode == "async" else 0},
+                ),
+            )
+            lines = launch(config, f"run.output_dir={work / f'throughput-{mode}'}")
+            value = completions_per_second(lines, warmup=3)
+            runs[mode].append(value)
+            print(f"  {mode}: {value:.1f} completions/s", flush=True)
+    sync, asynchronous = statistics.median(runs["sync"]), statistics.median(runs["async"])
+    return {
+        "sync_completions_per_second": runs["sync"],
+        "async_completions_per_second": runs["async"],
+        "speedup": asynchronous / sync,
+    }
+
+
+def async_learning(work: Path, model: Path, data: Path, steps: int) -> dict[str, Any]:
+    curves = {}
+    for mode, staleness in (("sync", 0), ("async", 1)):
+        config = work / f"learning-{mode}.toml"
+        write_toml(
+            config,
+            base_config(
+                model,
+                data,
+                run={"steps": steps},
+                rollout={"prompts_per_step": 32, "group_size": 8, "max_new_tokens": 6, "temperature": 1.0},
+                cluster={"workers": 2, "trainers": 1, "max_staleness": staleness},
+            ),
+        )
+        lines = launch(config, f"run.output_dir={work / f'learning-{mode}'}")
+        curves[mode] = [line["reward_mean"] for line in lines]
+        first, last = statistics.mean(curves[mode][:10]), statistics.mean(curves[mode][-10:])
+        print(f"  learning {mode}: first 10 steps {first:.3f}, last 10 steps {last:.3f}", flush=True)
+    verdict = learning_verdict(curves["async"], curves["sync"])
+    return {"curves": curves, "verdict": verdict}
+
+
+def warm_start(work: Path, data: Path) -> Path:
+    """The quickstart model after its 400-step supervised warm start: both learning runs start here."""
+    init = work / "quickstart-init"
+    create_tiny_model(init, **QUICKSTART_MODEL)
+    config = work / "warm-start.toml"
+    write_toml(
+        config,
+        base_config(
+            init,
+            data,
+            run={"steps": 0, "output_dir": str(work / "warm-start")},
+            policy={"options": {"model_path": str(init), "torch_threads": 2}},
+            sft={"steps": 400, "batch_size": 64, "learning_rate": 5e-4},
+        ),
+    )
+    subprocess.run(
+        [str(ROLLOUT), "run", str(config), "--overwrite"], check=True, capture_output=True, cwd=REPO
+    )
+    return work / "warm-start" / "checkpoints" / "step-00000000" / "policy" / "model"
+
+
+# Controller capacity
+
+
+def controller_capacity() -> dict[str, Any]:
+    binary = cargo_example("controller_capacity")
+    result = subprocess.run([str(binary)], capture_output=True, text=True, check=True)
+    return json.loads(result.stdout)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", type=Path, default=REPO / "bench" / ".work" / "distributed")
+    parser.add_argument("--quick", action="store_true", help="fewer steps and repeats (a smoke run)")
+    args = parser.parse_args(argv)
+    work: Path = args.work
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    quick = args.quick
+    data_dir = work / "data"
+    write_addition_splits(data_dir, train=TRAIN_EXAMPLES, test=TEST_EXAMPLES, seed=0)
+    data = data_dir / "train.jsonl"
+
+    print("weight sync: the ~25M model", flush=True)
+    small_size = SIZES["small"]
+    small = work / "small"
+    create_tiny_model(
+        small,
+        hidden_size=small_size.hidden_size,
+        num_layers=small_size.num_layers,
+        num_heads=small_size.num_heads,
+        intermediate_size=small_size.intermediate_size,
+        seed=0,
+    )
+    transport = weight_sync_transport(work, small, repeats=3 if quick else 9)
+    end_to_end = weight_sync_end_to_end(work, small, data, steps=3 if quick else 6)
+
+    print("asynchronous vs synchronous", flush=True)
+    model = warm_start(work, data)
+    throughput = async_throughput(work, model, data, steps=8 if quick else 20, repeats=1 if quick else 2)
+    learning = async_learning(work, model, data, steps=20 if quick else 100)
+
+    print("controller capacity", flush=True)
+    capacity = controller_capacity()
+
+    four = next(row for row in transport if row["workers"] == 4)
+    best = max(capacity["configurations"], key=lambda row: row["samples_per_second"])
+    results = {
+        "machine": {"cpus": os.cpu_count()},
+        "weight_sync_fraction_of_loopback": four["fraction_of_loopback"],
+        "weight_sync_fraction_of_raw_relay_chain": four["fraction_of_raw_relay_chain"],
+        "trainer_egress_per_model_bytes": four["trainer_egress_per_model_bytes"],
+        "weight_sync_seconds": {str(row["workers"]): row["seconds_median"] for row in end_to_end},
+        "weight_sync_transport_seconds": {str(row["workers"]): row["seconds_median"] for row in transport},
+        "async_speedup_vs_sync": throughput["speedup"],
+        "async_learning_not_worse": learning["verdict"]["not_worse"],
+        "controller_samples_per_second": best["samples_per_second"],
+        "controller_p99_ms": best["p99_ms"],
+        "details": {
+            "transport": transport,
+            "end_to_end": end_to_end,
+            "throughput": throughput,
+            "learning": learning,
+            "controller": capacity,
+        },
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    summary = {k: v for k, v in results.items() if k != "details"}
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
