@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use futures_util::{SinkExt, StreamExt};
-use tokio::io::{AsyncWriteExt, ReadHalf, WriteHalf};
 use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncWriteExt, ReadHalf, WriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio_util::codec::{Framed, FramedRead};
@@ -70,6 +70,28 @@ struct EnvelopeHead {
     call: u64,
     #[serde(default)]
     more: bool,
+}
+
+impl EnvelopeHead {
+    /// Reads `call` and `more` from the start of a header. [`Envelope`] serialises them
+    /// first (`{"call":N,"more":B,...`), so the body is not parsed twice; any other layout
+    /// falls back to a full JSON parse.
+    fn read(frame: &Frame) -> Result<Self, FrameError> {
+        Self::from_prefix(&frame.header).map_or_else(|| frame.decode_header(), Ok)
+    }
+
+    fn from_prefix(header: &[u8]) -> Option<Self> {
+        let rest = header.strip_prefix(b"{\"call\":")?;
+        let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
+        let call = std::str::from_utf8(&rest[..digits]).ok()?.parse().ok()?;
+        let rest = rest[digits..].strip_prefix(b",\"more\":")?;
+        let (more, rest) = match rest {
+            [b't', b'r', b'u', b'e', rest @ ..] => (true, rest),
+            [b'f', b'a', b'l', b's', b'e', rest @ ..] => (false, rest),
+            _ => return None,
+        };
+        rest.starts_with(b",").then_some(Self { call, more })
+    }
 }
 
 #[derive(Debug, Clone, thiserror::Error)]
@@ -442,7 +464,7 @@ async fn client_reader(mut stream: Stream, shared: Arc<ClientShared>, timeout: D
         if frame.kind == MessageKind::Heartbeat {
             continue;
         }
-        let head: EnvelopeHead = match frame.decode_header() {
+        let head = match EnvelopeHead::read(&frame) {
             Ok(head) => head,
             Err(err) => break format!("bad {} frame: {err}", frame.kind),
         };
@@ -728,7 +750,7 @@ async fn server_reader(
         if frame.kind == MessageKind::Heartbeat {
             continue;
         }
-        let call = match frame.decode_header::<EnvelopeHead>() {
+        let call = match EnvelopeHead::read(&frame) {
             Ok(head) => head.call,
             Err(err) => {
                 tracing::warn!("{peer} sent a bad {} frame, closing: {err}", frame.kind);
@@ -738,5 +760,43 @@ async fn server_reader(
         if incoming.send(Incoming { call, frame }).await.is_err() {
             return "the server stopped".into();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use super::*;
+    use crate::messages::Done;
+
+    #[test]
+    fn the_envelope_prefix_reads_like_the_full_parse() {
+        for (call, more) in [(0, false), (7, true), (u64::MAX, false)] {
+            let envelope = Envelope {
+                call,
+                more,
+                body: Done {},
+            };
+            let frame = Frame::encode_message(MessageKind::Done, &envelope, Bytes::new()).unwrap();
+            let head = EnvelopeHead::from_prefix(&frame.header).unwrap();
+            assert_eq!((head.call, head.more), (call, more));
+        }
+        for odd in [
+            &b"{\"more\":true,\"call\":3,\"body\":{}}"[..],
+            b"{\"call\":3,\"body\":{}}",
+            b"{\"call\":99999999999999999999999,\"more\":true,\"body\":{}}",
+            b"{\"call\":3,\"more\":truex",
+        ] {
+            assert!(EnvelopeHead::from_prefix(odd).is_none());
+        }
+        // Layouts the prefix reader does not know still parse in full.
+        let frame = Frame {
+            kind: MessageKind::Done,
+            header: Bytes::from_static(b"{\"more\":true,\"call\":3,\"body\":{}}"),
+            payload: Bytes::new(),
+        };
+        let head = EnvelopeHead::read(&frame).unwrap();
+        assert_eq!((head.call, head.more), (3, true));
     }
 }

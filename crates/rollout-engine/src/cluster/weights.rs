@@ -2,9 +2,9 @@
 //! them, and generation workers pull them along a chain (trainer -> worker 0 -> worker 1 ...),
 //! each relaying buckets as they arrive, so the trainer sends one copy of the model whatever
 //! the number of workers. Every bucket is checksummed by its sender and verified by its
-//! receiver. A version's checksum is XXH3-128 over its buckets' checksums in order, so a
-//! receiver that verified every bucket has it without a second pass over the bytes; it is
-//! the same for every process that buckets the same weights with the same bucket size.
+//! receiver. A version's checksum is XXH3-128 over its buckets' checksums and tensor tables
+//! in order, so a receiver that verified every bucket has it without a second pass over the
+//! bytes; it is the same for every process that buckets the same weights alike.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -35,6 +35,17 @@ impl VersionHasher {
     fn add(&mut self, bucket: &WeightsBucket) {
         self.0.update(&bucket.index.to_le_bytes());
         self.0.update(bucket.checksum.as_bytes());
+        // The table too: the same bytes under other names or shapes are other weights.
+        for meta in &bucket.tensors.tensors {
+            self.0.update(&(meta.name.len() as u64).to_le_bytes());
+            self.0.update(meta.name.as_bytes());
+            self.0.update(meta.dtype.safetensors_name().as_bytes());
+            for dim in &meta.shape {
+                self.0.update(&dim.to_le_bytes());
+            }
+            self.0.update(&meta.offset.to_le_bytes());
+            self.0.update(&meta.len.to_le_bytes());
+        }
     }
 
     fn finish(self) -> String {
@@ -437,8 +448,16 @@ mod tests {
             let again = VersionBuffer::from_tensors(3, &tensors, bucket_bytes).unwrap();
             assert_eq!(buffer.checksum(), again.checksum());
         }
-        assert_eq!(VersionBuffer::from_tensors(3, &tensors, 1).unwrap().count, 5);
-        assert_eq!(VersionBuffer::from_tensors(3, &tensors, 1 << 20).unwrap().count, 1);
+        assert_eq!(
+            VersionBuffer::from_tensors(3, &tensors, 1).unwrap().count,
+            5
+        );
+        assert_eq!(
+            VersionBuffer::from_tensors(3, &tensors, 1 << 20)
+                .unwrap()
+                .count,
+            1
+        );
     }
 
     #[test]
