@@ -4,7 +4,9 @@ separate processes of the same binary, connected by authenticated links on loopb
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import socket
 import subprocess
 import time
@@ -195,3 +197,33 @@ def test_tls_links_run_the_same_training(tmp_path: Path, artifacts: Path) -> Non
     result = launch(config)
     assert "links are encrypted" in result.stderr
     assert [line["step"] for line in metrics(tmp_path)] == [1, 2]
+
+
+def test_ctrl_c_on_a_launched_run_checkpoints_and_resumes(tmp_path: Path, artifacts: Path) -> None:
+    config = write_config(tmp_path, artifacts, steps=500, extra=cluster(1, 1, 0))
+    # A terminal's Ctrl-C goes to the whole foreground process group: here, the launcher's.
+    process = subprocess.Popen(
+        [str(ROLLOUT), "launch", str(config), "--set", "checkpoint.every=0"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    metrics_file = tmp_path / "out" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (
+        metrics_file.exists() and metrics_file.read_text().count("\n") >= 2
+    ):
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr[-3000:]
+    assert "lost" not in stderr, "the roles must outlive the Ctrl-C until the controller shuts them down"
+    latest = (tmp_path / "out" / "checkpoints" / "latest").read_text().strip()
+    state = json.loads((tmp_path / "out" / "checkpoints" / latest / "state.json").read_text())
+    assert state["step"] == len(metrics(tmp_path)) >= 2
+    resumed = launch(config, "--resume", "--set", f"run.steps={state['step'] + 1}")
+    assert resumed.returncode == 0
+    assert metrics(tmp_path)[-1]["step"] == state["step"] + 1

@@ -34,11 +34,12 @@ use bytes::Bytes;
 use rollout_engine::cluster::remote::RemoteWorkers;
 use rollout_engine::roles::Generator;
 use rollout_net::ClusterKey;
-use rollout_net::link::{Link, LinkLimits, RpcClient};
+use rollout_net::link::{Link, LinkLimits};
 use rollout_net::messages::{
     Completion, FinishReason, GenerateRequest, GenerateResponse, Hello, MessageKind, PromptRequest,
     SamplingParams,
 };
+use rollout_net::rpc::RpcClient;
 use serde_json::{Value, json};
 use tokio::runtime::{Handle, Runtime};
 

@@ -5,7 +5,8 @@
 //! - [`frame`]: [`Frame`] and [`FrameCodec`], a `tokio_util` codec for any byte stream.
 //! - [`tensor`]: safetensors-shaped tables laying out bulk tensors in a frame's payload.
 //! - [`auth`]: the challenge-response every TCP connection passes before a frame is read.
-//! - [`link`]: authenticated TCP connections with heartbeats, credits and request/response.
+//! - [`link`]: authenticated TCP connections between roles.
+//! - [`rpc`]: calls and answers over a link, with heartbeats and credits.
 //! - [`tls`]: optional encryption of links, bound to the authentication.
 //!
 //! # Frame layout
@@ -47,11 +48,13 @@ pub mod auth;
 pub mod frame;
 pub mod link;
 pub mod messages;
+pub mod rpc;
 pub mod tensor;
 pub mod tls;
 
 pub use auth::{AuthError, ClusterKey};
 pub use frame::{Frame, FrameCodec, FrameError};
-pub use link::{Link, LinkLimits, NetError, RpcClient, RpcServer};
+pub use link::{Link, LinkLimits, NetError};
 pub use messages::{Message, MessageKind};
+pub use rpc::{RpcClient, RpcServer};
 pub use tensor::{Dtype, TensorError, TensorMeta, TensorPayloadBuilder, TensorTable};

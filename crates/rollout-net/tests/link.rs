@@ -6,8 +6,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use rollout_net::auth::CLIENT_PROOF_LEN;
-use rollout_net::link::{Link, LinkLimits, RpcServer};
+use rollout_net::link::{Link, LinkLimits};
 use rollout_net::messages::{Done, Heartbeat, Hello, PullWeights, Shutdown};
+use rollout_net::rpc::RpcServer;
 use rollout_net::{ClusterKey, NetError};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};

@@ -9,8 +9,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use rollout_net::ClusterKey;
-use rollout_net::link::{Link, LinkLimits, RpcClient};
+use rollout_net::link::{Link, LinkLimits};
 use rollout_net::messages::{Done, Hello, Welcome};
+use rollout_net::rpc::RpcClient;
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 

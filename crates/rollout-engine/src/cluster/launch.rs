@@ -72,6 +72,9 @@ pub fn spawn_roles(
             .env(SECRET_ENV, secret)
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", master_port.to_string())
+            // Their own process group: Ctrl-C reaches the controller alone, which finishes
+            // the step, checkpoints and then shuts the roles down.
+            .process_group(0)
             .kill_on_drop(true);
         let child = command.spawn().map_err(|err| {
             ClusterError::Protocol(format!("cannot start {name} ({}): {err}", exe.display()))

@@ -6,11 +6,11 @@ use std::path::PathBuf;
 
 use bytes::Bytes;
 use rollout_net::NetError;
-use rollout_net::link::{Call, RpcClient};
 use rollout_net::messages::{
     CheckpointRequest, Done, GenerateRequest, GenerateResponse, Message, PublishWeights, Shutdown,
     SyncWeights, TokenizerRequest, TokenizerResponse, TrainRequest, TrainResponse, WeightsReport,
 };
+use rollout_net::rpc::{Call, RpcClient};
 
 use crate::roles::{Generator, Learner, RoleError, RoleFuture, Tokenizer};
 

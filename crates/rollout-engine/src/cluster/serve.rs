@@ -7,11 +7,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use rollout_net::link::{Incoming, Link, LinkLimits, Responder, RpcServer};
+use rollout_net::link::{Link, LinkLimits};
 use rollout_net::messages::{
     CheckpointRequest, Done, GenerateRequest, Hello, Message, MessageKind, PublishWeights,
     SyncWeights, TokenizerRequest, TokenizerResponse, TrainRequest, WeightsReport, Welcome,
 };
+use rollout_net::rpc::{Incoming, Responder, RpcServer};
 use rollout_net::{ClusterKey, NetError};
 use tokio::sync::mpsc;
 

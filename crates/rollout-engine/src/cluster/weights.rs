@@ -11,8 +11,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use rollout_net::link::{Incoming, Link, LinkLimits, Responder, RpcClient};
+use rollout_net::link::{Link, LinkLimits};
 use rollout_net::messages::{Hello, PullWeights, WeightsBucket, WeightsReport};
+use rollout_net::rpc::{Incoming, Responder, RpcClient};
 use rollout_net::tensor::{Dtype, TensorMeta, TensorPayloadBuilder, checksum};
 use rollout_net::{ClusterKey, NetError};
 use tokio::net::TcpListener;

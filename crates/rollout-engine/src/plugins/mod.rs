@@ -6,6 +6,7 @@ mod callbacks;
 mod data;
 mod environment;
 mod policy;
+mod policy_weights;
 mod reward;
 
 use std::fmt;

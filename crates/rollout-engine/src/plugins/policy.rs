@@ -13,11 +13,9 @@ use rollout_net::messages::{
 };
 
 use super::{PluginError, PluginLoadError, PluginRef, Sdk};
-use crate::cluster::weights::TensorBytes;
 use crate::config::{KeyPath, LoadedConfig};
 use crate::engine::{StepOutcome, StepPlan};
 use crate::python::convert::py_to_json;
-use rollout_net::tensor::{Dtype, TensorMeta};
 
 /// The cache geometry a policy reports (`rollout_sdk.KvLayout`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -38,10 +36,10 @@ impl KvLayout {
 }
 
 pub struct PolicyPlugin {
-    plugin: PluginRef,
+    pub(super) plugin: PluginRef,
     sdk: Arc<Sdk>,
     /// Gradient compression of the data-parallel group this trainer rank joined, if any.
-    data_parallel: std::sync::OnceLock<String>,
+    pub(super) data_parallel: std::sync::OnceLock<String>,
 }
 
 impl PolicyPlugin {
@@ -437,7 +435,7 @@ impl PolicyPlugin {
         self.sdk.train_batch.bind(py).call((), Some(&fields))
     }
 
-    fn float_metrics(
+    pub(super) fn float_metrics(
         &self,
         hook: &'static str,
         value: &Bound<'_, PyAny>,
@@ -568,113 +566,6 @@ impl PolicyPlugin {
         self.sdk.engine_step.bind(py).call((), Some(&fields))
     }
 
-    /// Joins the trainers' torch.distributed process group (`env://` rendezvous:
-    /// `MASTER_ADDR`/`MASTER_PORT`); from then on every update all-reduces the gradients.
-    pub fn join_data_parallel(
-        &self,
-        py: Python<'_>,
-        rank: u32,
-        world_size: u32,
-        backend: &str,
-        compression: &str,
-    ) -> Result<(), PluginError> {
-        let hook = "trainable_parameters";
-        let parameters = self.plugin.call(py, hook, ())?;
-        py.import("rollout_sdk.distributed")
-            .and_then(|d| {
-                d.call_method1(
-                    "init_process_group",
-                    (backend, rank, world_size, parameters),
-                )
-            })
-            .map_err(|err| self.plugin.raised(py, hook, &err))?;
-        let _ = self.data_parallel.set(compression.to_owned());
-        Ok(())
-    }
-
-    fn all_reduce_gradients(
-        &self,
-        py: Python<'_>,
-        compression: &str,
-    ) -> Result<BTreeMap<String, f64>, PluginError> {
-        let hook = "trainable_parameters";
-        let parameters = self.plugin.call(py, hook, ())?;
-        let metrics = py
-            .import("rollout_sdk.distributed")
-            .and_then(|d| d.call_method1("all_reduce_gradients", (parameters, compression)))
-            .map_err(|err| self.plugin.raised(py, hook, &err))?;
-        self.float_metrics(hook, &metrics)
-    }
-
-    /// The current weights as raw little-endian bytes, in the order `export_weights` lists.
-    pub fn export_weights(&self, py: Python<'_>) -> Result<Vec<TensorBytes>, PluginError> {
-        let hook = "export_weights";
-        let weights = self.plugin.call(py, hook, ())?;
-        let weights = weights.cast::<PyDict>().map_err(|_| {
-            self.plugin
-                .bad_return(hook, "must return a dict of numpy arrays")
-        })?;
-        let numpy = py
-            .import("numpy")
-            .map_err(|err| self.plugin.raised(py, hook, &err))?;
-        let mut tensors = Vec::with_capacity(weights.len());
-        for (name, array) in weights.iter() {
-            let name: String = name
-                .extract()
-                .map_err(|_| self.plugin.bad_return(hook, "names must be str"))?;
-            let tensor = (|| -> PyResult<Option<TensorBytes>> {
-                let array = numpy.call_method1("ascontiguousarray", (array,))?;
-                let code: String = array.getattr("dtype")?.getattr("str")?.extract()?;
-                let Some(dtype) = dtype_of_numpy(&code) else {
-                    return Ok(None);
-                };
-                let shape: Vec<u64> = array.getattr("shape")?.extract()?;
-                let data = array.call_method0("tobytes")?;
-                let data = data.cast::<pyo3::types::PyBytes>()?.as_bytes().to_vec();
-                Ok(Some(TensorBytes {
-                    name: name.clone(),
-                    dtype,
-                    shape,
-                    data,
-                }))
-            })()
-            .map_err(|err| self.plugin.raised(py, hook, &err))?
-            .ok_or_else(|| {
-                self.plugin.bad_return(
-                    hook,
-                    format!("`{name}` has a dtype that cannot be sent (use float32, float16, integer or bool)"),
-                )
-            })?;
-            tensors.push(tensor);
-        }
-        Ok(tensors)
-    }
-
-    /// Replaces the weights with `tensors` (checked against the model by `import_weights`).
-    pub fn import_weights(
-        &self,
-        py: Python<'_>,
-        tensors: &[(TensorMeta, bytes::Bytes)],
-    ) -> Result<(), PluginError> {
-        let hook = "import_weights";
-        let weights = (|| -> PyResult<Bound<'_, PyDict>> {
-            let numpy = py.import("numpy")?;
-            let weights = PyDict::new(py);
-            for (meta, data) in tensors {
-                let bytes = pyo3::types::PyByteArray::new(py, data);
-                let kwargs = PyDict::new(py);
-                kwargs.set_item("dtype", numpy_code(meta.dtype))?;
-                let array = numpy
-                    .call_method("frombuffer", (bytes,), Some(&kwargs))?
-                    .call_method1("reshape", (meta.shape.clone(),))?;
-                weights.set_item(&meta.name, array)?;
-            }
-            Ok(weights)
-        })()
-        .map_err(|err| self.plugin.raised(py, hook, &err))?;
-        self.plugin.call(py, hook, (weights,)).map(drop)
-    }
-
     pub fn save(&self, py: Python<'_>, directory: &Path) -> Result<(), PluginError> {
         self.plugin.call(py, "save", (directory,)).map(drop)
     }
@@ -695,45 +586,6 @@ impl PolicyPlugin {
             })
         })
         .collect()
-    }
-}
-
-/// The most tokens any sample of `request` may generate (per-sample budgets of the plugin's
-/// `generate` are applied by truncating to this common maximum).
-/// The wire dtype of a numpy dtype string (`dtype.str`), little-endian only.
-fn dtype_of_numpy(code: &str) -> Option<Dtype> {
-    Some(match code {
-        "<f4" => Dtype::F32,
-        "<f2" => Dtype::F16,
-        "<f8" => Dtype::F64,
-        "<i8" => Dtype::I64,
-        "<i4" => Dtype::I32,
-        "<i2" => Dtype::I16,
-        "|i1" => Dtype::I8,
-        "<u8" => Dtype::U64,
-        "<u4" => Dtype::U32,
-        "<u2" => Dtype::U16,
-        "|u1" => Dtype::U8,
-        "|b1" => Dtype::Bool,
-        _ => return None,
-    })
-}
-
-/// The numpy dtype string of a wire dtype (bfloat16 travels as raw 16-bit words).
-fn numpy_code(dtype: Dtype) -> &'static str {
-    match dtype {
-        Dtype::F32 => "<f4",
-        Dtype::F16 => "<f2",
-        Dtype::F64 => "<f8",
-        Dtype::I64 => "<i8",
-        Dtype::I32 => "<i4",
-        Dtype::I16 => "<i2",
-        Dtype::I8 => "|i1",
-        Dtype::U64 => "<u8",
-        Dtype::U32 => "<u4",
-        Dtype::U16 | Dtype::BF16 => "<u2",
-        Dtype::U8 | Dtype::F8E4M3 | Dtype::F8E5M2 => "|u1",
-        Dtype::Bool => "|b1",
     }
 }
 

@@ -13,17 +13,19 @@ mod cursor;
 mod metrics;
 mod pipeline;
 mod sampler;
+mod sft;
 mod state;
+mod step_report;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-use rollout_net::messages::{FinishReason, Objective, TrainRequest};
-use serde_json::{Map, Value, json};
+use rollout_net::messages::{Objective, TrainRequest};
+use serde_json::{Value, json};
 
-use crate::config::{Config, SftConfig};
+use crate::config::Config;
 use crate::plugins::Record;
 use crate::roles::{
     Environments, Generator, Learner, Observer, RoleError, RunStarted, Scorer, Tokenizer,
@@ -31,6 +33,7 @@ use crate::roles::{
 
 use pipeline::{Pipeline, StepSamples};
 use sampler::{Collected, Sampler, Trajectory};
+use step_report::StepReport;
 
 pub use advantage::group_advantages;
 pub use batch::{PackingStats, TrainSequence, micro_batches};
@@ -418,107 +421,6 @@ impl<'a> Controller<'a> {
         Ok(())
     }
 
-    async fn supervised_warm_start(
-        &mut self,
-        sft: &SftConfig,
-        resumed: bool,
-    ) -> Result<(), RunError> {
-        let records = self.sampler.records.clone();
-        let mut targets = Vec::with_capacity(records.len());
-        for (index, record) in records.iter().enumerate() {
-            match record.fields.get(&sft.completion_key) {
-                Some(Value::String(text)) => targets.push(text.clone()),
-                Some(other) => targets.push(other.to_string()),
-                None => {
-                    return Err(RunError::Data(format!(
-                        "[sft] needs `{}` in every record, but record {index} has none",
-                        sft.completion_key
-                    )));
-                }
-            }
-        }
-        let mut completions = self.roles.tokenizer.encode(targets, true).await?;
-        if sft.append_eos {
-            let eos = self.roles.tokenizer.eos_token_ids().await?;
-            let Some(&eos) = eos.first() else {
-                return Err(RunError::Data(
-                    "[sft] append_eos needs an end-of-sequence token, and the policy has none"
-                        .into(),
-                ));
-            };
-            for completion in &mut completions {
-                completion.push(eos);
-            }
-        }
-        let log_path = self.output("sft_metrics.jsonl");
-        let mut log = MetricsLog::open(&log_path, resumed.then_some(self.state.sft_step))
-            .map_err(|source| io_error("cannot open", &log_path, source))?;
-        let mut cursor = DataCursor::new(
-            records.len(),
-            mix(self.config.run.seed, 2),
-            self.config.data.shuffle,
-            self.state.sft_data,
-        );
-        let report_every = (sft.steps / 10).max(1);
-        while self.state.sft_step < sft.steps && !self.stopping() {
-            let started = Instant::now();
-            let sequences: Vec<TrainSequence> = cursor
-                .take(sft.batch_size)
-                .into_iter()
-                .map(|index| {
-                    let prompt = &self.sampler.prompt_ids[index];
-                    let completion = &completions[index];
-                    let tokens: Vec<u32> = prompt.iter().chain(completion).copied().collect();
-                    TrainSequence {
-                        loss_mask: (0..tokens.len()).map(|t| t >= prompt.len()).collect(),
-                        logprobs: vec![0.0; tokens.len()],
-                        tokens,
-                        advantage: 0.0,
-                    }
-                })
-                .collect();
-            let (batches, packing) = micro_batches(
-                &sequences,
-                &Objective::Sft,
-                self.config.train.micro_batch_tokens,
-                false,
-            );
-            let response = self
-                .roles
-                .learner
-                .train(TrainRequest {
-                    micro_batches: batches,
-                    learning_rate: sft.learning_rate,
-                })
-                .await?;
-            self.state.sft_step += 1;
-            self.state.sft_data = cursor.position();
-            self.state.weight_version = response.weight_version;
-            let mut line = Map::new();
-            line.insert("sft_step".into(), json!(self.state.sft_step));
-            for (name, value) in &response.metrics {
-                line.insert(name.clone(), json!(value));
-            }
-            line.insert("tokens".into(), json!(packing.real_tokens));
-            line.insert(
-                "step_seconds".into(),
-                json!(started.elapsed().as_secs_f64()),
-            );
-            line.insert("weight_version".into(), json!(response.weight_version));
-            let loss = response.metrics.get("loss").copied().unwrap_or(f64::NAN);
-            log.append(&Value::Object(line))
-                .map_err(|source| io_error("cannot write", &log_path, source))?;
-            if self.state.sft_step % report_every == 0 || self.state.sft_step == sft.steps {
-                tracing::info!(
-                    "sft step {}/{}: loss {loss:.4}",
-                    self.state.sft_step,
-                    sft.steps
-                );
-            }
-        }
-        Ok(())
-    }
-
     /// Samples and scores the first prompt's group without training, for `rollout check`.
     pub async fn dry_run(&mut self) -> Result<DryRun, RunError> {
         self.sampler.prepare(1).await?;
@@ -598,11 +500,11 @@ impl<'a> Controller<'a> {
         } = collected?;
         let algorithm = &self.config.algorithm;
         let trained_version = self.state.weight_version;
-        let staleness: Vec<u64> = trajectories
+        let max_staleness = trajectories
             .iter()
             .map(|t| trained_version.saturating_sub(t.weight_version))
-            .collect();
-        let max_staleness = staleness.iter().copied().max().unwrap_or(0);
+            .max()
+            .unwrap_or(0);
         if max_staleness > self.max_staleness() {
             return Err(RunError::Data(format!(
                 "step {step}: a sample generated with weights {} is {max_staleness} versions \
@@ -668,119 +570,31 @@ impl<'a> Controller<'a> {
         }
         let weight_sync_seconds = sync_started.elapsed().as_secs_f64();
 
-        let step_seconds = started.elapsed().as_secs_f64();
-        let generated: Vec<usize> = trajectories
-            .iter()
-            .map(Trajectory::generated_tokens)
-            .collect();
-        let generated_tokens: usize = generated.iter().sum();
-        let count = trajectories.len().max(1) as f64;
-        let mut line = Map::new();
-        line.insert("step".into(), json!(step));
-        line.insert("reward_mean".into(), json!(mean(&rewards)));
-        line.insert("reward_std".into(), json!(std_dev(&rewards)));
-        for component in &components {
-            line.insert(
-                format!("reward/{}", component.name),
-                json!(mean(&component.scores)),
-            );
-        }
-        if self.roles.environments.is_some() {
-            let returns: Vec<f64> = trajectories.iter().map(|t| t.env_return).collect();
-            line.insert("env_return_mean".into(), json!(mean(&returns)));
-        }
-        for (name, value) in &response.metrics {
-            line.insert(name.clone(), json!(value));
-        }
-        line.insert("completions".into(), json!(trajectories.len()));
-        let prompt_tokens: usize = records
-            .iter()
-            .map(|&r| self.sampler.prompt_ids.get(r).map_or(0, Vec::len))
-            .sum();
-        line.insert("prompt_tokens".into(), json!(prompt_tokens));
-        line.insert(
-            "sequence_tokens".into(),
-            json!(trajectories.iter().map(|t| t.tokens.len()).sum::<usize>()),
-        );
-        line.insert("generated_tokens".into(), json!(generated_tokens));
-        line.insert(
-            "completion_length_mean".into(),
-            json!(generated_tokens as f64 / count),
-        );
-        line.insert(
-            "completion_length_max".into(),
-            json!(generated.iter().max().copied().unwrap_or(0)),
-        );
-        let truncated = trajectories
-            .iter()
-            .filter(|t| t.finish_reason == FinishReason::Length)
-            .count();
-        line.insert("truncated_fraction".into(), json!(truncated as f64 / count));
-        line.insert(
-            "zero_std_group_fraction".into(),
-            json!(zero_std_groups as f64 / records.len().max(1) as f64),
-        );
-        line.insert("micro_batches".into(), json!(packing.micro_batches));
-        line.insert("trained_rows".into(), json!(packing.rows));
-        line.insert("skipped_rows".into(), json!(packing.skipped_rows));
-        let padding = if packing.padded_tokens > 0 {
-            1.0 - packing.real_tokens as f64 / packing.padded_tokens as f64
-        } else {
-            0.0
+        let report = StepReport {
+            step,
+            epoch,
+            records,
+            collected: Collected {
+                trajectories,
+                completions,
+                rewards,
+                components,
+                advantages,
+                zero_std_groups,
+                generate_seconds,
+                score_seconds,
+                generator_metrics,
+            },
+            response,
+            packing,
+            learning_rate,
+            trained_version,
+            train_seconds,
+            weight_sync_seconds,
+            step_seconds: started.elapsed().as_secs_f64(),
+            has_environment: self.roles.environments.is_some(),
         };
-        line.insert("padding_fraction".into(), json!(padding));
-        for (name, value) in generator_metrics {
-            line.insert(name, json!(value));
-        }
-        line.insert("generate_seconds".into(), json!(generate_seconds));
-        line.insert("score_seconds".into(), json!(score_seconds));
-        line.insert("train_seconds".into(), json!(train_seconds));
-        line.insert("weight_sync_seconds".into(), json!(weight_sync_seconds));
-        line.insert("staleness_max".into(), json!(max_staleness));
-        line.insert(
-            "staleness_mean".into(),
-            json!(staleness.iter().sum::<u64>() as f64 / staleness.len().max(1) as f64),
-        );
-        line.insert("step_seconds".into(), json!(step_seconds));
-        line.insert(
-            "samples_per_second".into(),
-            json!(trajectories.len() as f64 / step_seconds),
-        );
-        line.insert(
-            "tokens_per_second".into(),
-            json!(generated_tokens as f64 / step_seconds),
-        );
-        line.insert("learning_rate".into(), json!(learning_rate));
-        let sampled_with = trajectories
-            .iter()
-            .map(|t| t.weight_version)
-            .min()
-            .unwrap_or(0);
-        line.insert("generation_weight_version".into(), json!(sampled_with));
-        line.insert("weight_version".into(), json!(response.weight_version));
-        line.insert("epoch".into(), json!(epoch));
-        let logged = trajectories
-            .iter()
-            .zip(completions)
-            .take(self.config.run.log_samples)
-            .zip(rewards.iter().zip(&advantages))
-            .map(|((trajectory, completion), (reward, advantage))| {
-                json!({
-                    "step": step,
-                    "group": trajectory.group,
-                    "prompt": trajectory.prompt(&self.sampler.records),
-                    "completion": completion,
-                    "reward": reward,
-                    "advantage": advantage,
-                    "finish_reason": trajectory.finish_reason,
-                    "weight_version": trajectory.weight_version,
-                    "trained_at_version": trained_version,
-                    "tokens": trajectory.tokens,
-                    "generated": trajectory.loss_mask,
-                })
-            })
-            .collect();
-        Ok((Value::Object(line), logged))
+        Ok(report.into_lines(&self.sampler, self.config.run.log_samples))
     }
 
     /// Linear warm-up over `train.warmup_steps` RL updates, then constant.
