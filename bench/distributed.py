@@ -215,6 +215,9 @@ def async_learning(work: Path, model: Path, data: Path, steps: int) -> dict[str,
         first, last = statistics.mean(curves[mode][:10]), statistics.mean(curves[mode][-10:])
         print(f"  learning {mode}: first 10 steps {first:.3f}, last 10 steps {last:.3f}", flush=True)
     verdict = learning_verdict(curves["async"], curves["sync"])
+    # The shared verdict names its sides after the TRL benchmark: here async vs sync.
+    halves = verdict.pop("second_half_reward")
+    verdict["second_half_reward"] = {"async": halves["rollout"], "sync": halves["trl"]}
     return {"curves": curves, "verdict": verdict}
 
 

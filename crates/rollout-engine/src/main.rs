@@ -264,11 +264,7 @@ async fn execute(command: Command) -> anyhow::Result<()> {
             overwrite,
         } => {
             let loaded = config::load(&config, &overrides)?;
-            let start = match (resume, overwrite) {
-                (true, _) => Start::Resume,
-                (_, true) => Start::Overwrite,
-                _ => Start::Fresh,
-            };
+            let start = start_of(resume, overwrite);
             let interrupted = watch_ctrl_c();
             let session = Session::open(loaded).await?;
             let summary = session.run(start, interrupted).await?;
@@ -301,11 +297,7 @@ async fn execute(command: Command) -> anyhow::Result<()> {
             external_roles,
         } => {
             let loaded = config::load(&config, &overrides)?;
-            let start = match (resume, overwrite) {
-                (true, _) => Start::Resume,
-                (_, true) => Start::Overwrite,
-                _ => Start::Fresh,
-            };
+            let start = start_of(resume, overwrite);
             launch(loaded, start, external_roles).await
         }
         Command::Worker { role } => {
@@ -328,6 +320,15 @@ async fn execute(command: Command) -> anyhow::Result<()> {
             Ok(rollout_engine::cluster::serve::run_trainer(args).await?)
         }
         Command::InitQuickstart { dir, force } => init_quickstart(dir, force).await,
+    }
+}
+
+/// How `--resume` / `--overwrite` treat the output directory.
+fn start_of(resume: bool, overwrite: bool) -> Start {
+    match (resume, overwrite) {
+        (true, _) => Start::Resume,
+        (_, true) => Start::Overwrite,
+        _ => Start::Fresh,
     }
 }
 
