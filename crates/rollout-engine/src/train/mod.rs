@@ -32,7 +32,7 @@ use crate::roles::{
 };
 
 use pipeline::{Pipeline, StepSamples};
-use sampler::{Collected, Sampler, Trajectory};
+use sampler::{Sampler, Trajectory};
 use step_report::StepReport;
 
 pub use advantage::group_advantages;
@@ -487,17 +487,8 @@ impl<'a> Controller<'a> {
             records,
             collected,
         } = samples;
-        let Collected {
-            trajectories,
-            completions,
-            rewards,
-            components,
-            advantages,
-            zero_std_groups,
-            generate_seconds,
-            score_seconds,
-            generator_metrics,
-        } = collected?;
+        let collected = collected?;
+        let (trajectories, advantages) = (&collected.trajectories, &collected.advantages);
         let algorithm = &self.config.algorithm;
         let trained_version = self.state.weight_version;
         let max_staleness = trajectories
@@ -517,7 +508,7 @@ impl<'a> Controller<'a> {
         let training = Instant::now();
         let sequences: Vec<TrainSequence> = trajectories
             .iter()
-            .zip(&advantages)
+            .zip(advantages)
             .map(|(trajectory, &advantage)| TrainSequence {
                 tokens: trajectory.tokens.clone(),
                 loss_mask: trajectory.loss_mask.clone(),
@@ -574,17 +565,7 @@ impl<'a> Controller<'a> {
             step,
             epoch,
             records,
-            collected: Collected {
-                trajectories,
-                completions,
-                rewards,
-                components,
-                advantages,
-                zero_std_groups,
-                generate_seconds,
-                score_seconds,
-                generator_metrics,
-            },
+            collected,
             response,
             packing,
             learning_rate,
