@@ -31,16 +31,8 @@ struct Cli {
 enum Command {
     /// Train with the run described by CONFIG.
     Run {
-        config: PathBuf,
-        /// Override a config value, e.g. `--set run.steps=20` (repeatable).
-        #[arg(long = "set", value_name = "KEY=VALUE")]
-        overrides: Vec<String>,
-        /// Continue from the newest valid checkpoint in the output directory.
-        #[arg(long, conflicts_with = "overwrite")]
-        resume: bool,
-        /// Delete the output directory's previous metrics and checkpoints first.
-        #[arg(long)]
-        overwrite: bool,
+        #[command(flatten)]
+        run: RunArgs,
     },
     /// Validate CONFIG, import and instantiate every plugin and read the data, without training.
     Check {
@@ -64,13 +56,8 @@ enum Command {
     /// Run CONFIG with every role in its own OS process on this machine: the controller here,
     /// `[cluster] workers` generation workers and `[cluster] trainers` trainer ranks.
     Launch {
-        config: PathBuf,
-        #[arg(long = "set", value_name = "KEY=VALUE")]
-        overrides: Vec<String>,
-        #[arg(long, conflicts_with = "overwrite")]
-        resume: bool,
-        #[arg(long)]
-        overwrite: bool,
+        #[command(flatten)]
+        run: RunArgs,
         /// Start no role processes: wait for `rollout worker`/`rollout trainer` processes
         /// started elsewhere (other machines, torchrun, Slurm, Kubernetes) to connect to
         /// `[cluster] listen`.
@@ -101,6 +88,33 @@ enum Command {
         #[arg(long)]
         force: bool,
     },
+}
+
+/// A training run: its config and what to do with an existing output directory.
+#[derive(Debug, clap::Args)]
+struct RunArgs {
+    config: PathBuf,
+    /// Override a config value, e.g. `--set run.steps=20` (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    overrides: Vec<String>,
+    /// Continue from the newest valid checkpoint in the output directory.
+    #[arg(long, conflicts_with = "overwrite")]
+    resume: bool,
+    /// Delete the output directory's previous metrics and checkpoints first.
+    #[arg(long)]
+    overwrite: bool,
+}
+
+impl RunArgs {
+    fn load(&self) -> anyhow::Result<(config::LoadedConfig, Start)> {
+        let loaded = config::load(&self.config, &self.overrides)?;
+        let start = match (self.resume, self.overwrite) {
+            (true, _) => Start::Resume,
+            (_, true) => Start::Overwrite,
+            _ => Start::Fresh,
+        };
+        Ok((loaded, start))
+    }
 }
 
 #[derive(Debug, clap::Args)]
@@ -257,14 +271,8 @@ fn exit_code(err: &anyhow::Error) -> u8 {
 
 async fn execute(command: Command) -> anyhow::Result<()> {
     match command {
-        Command::Run {
-            config,
-            overrides,
-            resume,
-            overwrite,
-        } => {
-            let loaded = config::load(&config, &overrides)?;
-            let start = start_of(resume, overwrite);
+        Command::Run { run } => {
+            let (loaded, start) = run.load()?;
             let interrupted = watch_ctrl_c();
             let session = Session::open(loaded).await?;
             let summary = session.run(start, interrupted).await?;
@@ -290,14 +298,10 @@ async fn execute(command: Command) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Launch {
-            config,
-            overrides,
-            resume,
-            overwrite,
+            run,
             external_roles,
         } => {
-            let loaded = config::load(&config, &overrides)?;
-            let start = start_of(resume, overwrite);
+            let (loaded, start) = run.load()?;
             launch(loaded, start, external_roles).await
         }
         Command::Worker { role } => {
@@ -320,15 +324,6 @@ async fn execute(command: Command) -> anyhow::Result<()> {
             Ok(rollout_engine::cluster::serve::run_trainer(args).await?)
         }
         Command::InitQuickstart { dir, force } => init_quickstart(dir, force).await,
-    }
-}
-
-/// How `--resume` / `--overwrite` treat the output directory.
-fn start_of(resume: bool, overwrite: bool) -> Start {
-    match (resume, overwrite) {
-        (true, _) => Start::Resume,
-        (_, true) => Start::Overwrite,
-        _ => Start::Fresh,
     }
 }
 

@@ -59,6 +59,8 @@ pub enum NetError {
     BadFrame { peer: String, reason: String },
     #[error("lost {peer}: {reason}")]
     PeerLost { peer: String, reason: String },
+    #[error("{peer} sent nothing, not even a heartbeat, for {seconds:.0} s")]
+    PeerSilent { peer: String, seconds: f64 },
     #[error("{peer} failed: {message}")]
     Remote { peer: String, message: String },
 }

@@ -179,28 +179,34 @@ struct Pending {
 
 struct ClientShared {
     pending: Mutex<HashMap<u64, Pending>>,
-    lost: Mutex<Option<String>>,
+    /// Why the connection ended, once it has.
+    lost: Mutex<Option<NetError>>,
     peer: String,
 }
 
 impl ClientShared {
-    fn lose(&self, reason: String) {
+    fn lost_because(&self, reason: String) -> NetError {
+        NetError::PeerLost {
+            peer: self.peer.clone(),
+            reason,
+        }
+    }
+
+    /// Ends the connection with `err`: every pending call, and every later one, fails with it.
+    fn lose(&self, err: NetError) {
         if let Ok(mut lost) = self.lost.lock() {
-            lost.get_or_insert(reason.clone());
+            lost.get_or_insert(err.clone());
         }
         let pending: Vec<Pending> = match self.pending.lock() {
             Ok(mut pending) => pending.drain().map(|(_, p)| p).collect(),
             Err(_) => Vec::new(),
         };
         for entry in pending {
-            let _ = entry.replies.send(Err(NetError::PeerLost {
-                peer: self.peer.clone(),
-                reason: reason.clone(),
-            }));
+            let _ = entry.replies.send(Err(err.clone()));
         }
     }
 
-    fn lost_reason(&self) -> Option<String> {
+    fn lost(&self) -> Option<NetError> {
         self.lost.lock().ok().and_then(|lost| lost.clone())
     }
 }
@@ -242,7 +248,7 @@ async fn client_writer(
             }
         };
         if let Err(err) = result {
-            shared.lose(format!("cannot send: {err}"));
+            shared.lose(shared.lost_because(format!("cannot send: {err}")));
             break;
         }
     }
@@ -252,7 +258,14 @@ async fn client_writer(
 async fn client_reader(mut stream: Stream, shared: Arc<ClientShared>, timeout: Duration) {
     let reason = loop {
         let frame = match tokio::time::timeout(timeout, stream.next()).await {
-            Err(_) => break format!("no message or heartbeat for {timeout:?}"),
+            Err(_) => {
+                // Silence, not a closed socket: the peer hangs or cannot be reached.
+                shared.lose(NetError::PeerSilent {
+                    peer: shared.peer.clone(),
+                    seconds: timeout.as_secs_f64(),
+                });
+                return;
+            }
             Ok(None) => break "connection closed".to_string(),
             Ok(Some(Err(FrameError::Io(err)))) => break format!("connection broken: {err}"),
             Ok(Some(Err(err))) => break format!("bad frame: {err}"),
@@ -281,7 +294,7 @@ async fn client_reader(mut stream: Stream, shared: Arc<ClientShared>, timeout: D
             None => break format!("an answer to call {} that was not made", head.call),
         }
     };
-    shared.lose(reason);
+    shared.lose(shared.lost_because(reason));
 }
 
 /// The calling side of a connection. Cheap to clone; calls go out in the order made.
@@ -306,12 +319,8 @@ impl RpcClient {
     /// Sends `request` now (in call order, when a credit is free) and returns the call whose
     /// answers to await.
     pub fn call<M: Message>(&self, request: &M, payload: Bytes) -> Result<Call, NetError> {
-        let lost = |reason: String| NetError::PeerLost {
-            peer: self.shared.peer.clone(),
-            reason,
-        };
-        if let Some(reason) = self.shared.lost_reason() {
-            return Err(lost(reason));
+        if let Some(err) = self.shared.lost() {
+            return Err(err);
         }
         let call = self.next_call.fetch_add(1, Ordering::Relaxed);
         let frame = Frame::encode_message(
@@ -339,7 +348,7 @@ impl RpcClient {
         }
         self.outgoing
             .send(Outgoing { call, frame })
-            .map_err(|_| lost("connection closed".into()))?;
+            .map_err(|_| self.shared.lost_because("connection closed".into()))?;
         Ok(Call {
             answers,
             peer: self.shared.peer.clone(),

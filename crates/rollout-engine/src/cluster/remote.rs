@@ -18,6 +18,10 @@ fn role_error(err: NetError) -> RoleError {
     match err {
         NetError::Remote { peer, message } => RoleError::Plugin(format!("{peer}: {message}")),
         NetError::PeerLost { peer, reason } => RoleError::WorkerLost { role: peer, reason },
+        NetError::PeerSilent { peer, seconds } => RoleError::TimedOut {
+            role: peer,
+            seconds,
+        },
         other => RoleError::Protocol(other.to_string()),
     }
 }
@@ -48,14 +52,6 @@ pub struct RemoteWorkers {
 impl RemoteWorkers {
     pub fn new(workers: Vec<RpcClient>) -> Self {
         Self { workers }
-    }
-
-    pub fn len(&self) -> usize {
-        self.workers.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.workers.is_empty()
     }
 
     /// The address a worker serves weights on, as it announced in its greeting.
