@@ -1,10 +1,16 @@
 """Data-parallel training across trainer processes, on torch.distributed.
 
 The Rust trainer role calls :func:`init_process_group` once (``env://`` rendezvous, as under
-``torchrun``: ``MASTER_ADDR`` and ``MASTER_PORT`` name rank 0) and :func:`all_reduce_gradients`
-after the micro-batches of every update and before ``Policy.apply_update``. Every rank's
-micro-batch losses are already scaled by the whole update's token count, so the summed
-gradients are exactly those of one process training on every micro-batch.
+``torchrun``: ``MASTER_ADDR`` and ``MASTER_PORT`` name rank 0), builds one
+:class:`GradientReducer`, and calls :meth:`GradientReducer.reduce` after the micro-batches of
+every update and before ``Policy.apply_update``. Every rank's micro-batch losses are already
+scaled by the whole update's token count, so the summed gradients are exactly those of one
+process training on every micro-batch.
+
+Compression runs torch's own DDP communication hooks (``fp16_compress_hook``,
+``bf16_compress_hook``, ``powerSGD_hook``) on one flattened bucket of every gradient; the
+trainer loop owns the micro-batches, so there is no ``DistributedDataParallel`` wrapper to
+register them on.
 """
 
 from __future__ import annotations
@@ -16,12 +22,21 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-__all__ = ["COMPRESSION_DTYPES", "all_reduce_gradients", "init_process_group"]
+__all__ = [
+    "COMPRESSIONS",
+    "FlatGradBucket",
+    "GradientReducer",
+    "init_process_group",
+    "leave_process_group",
+]
 
-# Gradient compression as in torch's DDP communication hooks (fp16/bf16_compress_hook):
-# gradients travel in half precision and are summed there, then cast back.
-COMPRESSION_DTYPES = {"none": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
+_HALF_PRECISION_HOOKS = {
+    "fp16": (default_hooks.fp16_compress_hook, torch.float16),
+    "bf16": (default_hooks.bf16_compress_hook, torch.bfloat16),
+}
 
 
 def init_process_group(
@@ -52,34 +67,118 @@ def init_process_group(
     )
 
 
-def all_reduce_gradients(
-    parameters: Sequence[torch.nn.Parameter], compression: str = "none"
-) -> dict[str, float]:
-    """Sum every parameter's gradient over the group, in one flattened bucket per device.
+def leave_process_group(timeout_seconds: float = 30.0) -> None:
+    """Leave the group once every rank has arrived (on gloo, or ``timeout_seconds`` passed).
 
-    A rank without micro-batches this update contributes zeros. Returns the bytes this rank
-    put into the all-reduce and the seconds it took.
+    Without the barrier, a rank could tear gloo down while a peer's last collective is still
+    finishing on gloo's threads, which aborts the process at exit.
     """
-    if compression not in COMPRESSION_DTYPES:
-        raise ValueError(
-            f"unknown gradient compression {compression!r}; use one of {sorted(COMPRESSION_DTYPES)}"
+    if not dist.is_initialized():
+        return
+    try:
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=timedelta(seconds=timeout_seconds))
+        else:
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+class FlatGradBucket:
+    """The ``dist.GradBucket`` interface over one flattened buffer of gradients.
+
+    torch's communication hooks read a bucket through these methods only; ``gradients()``
+    are views into the buffer, as in DDP, so a hook that writes them writes the buffer.
+    """
+
+    def __init__(self, buffer: torch.Tensor, grads: Sequence[torch.Tensor]) -> None:
+        self._buffer = buffer
+        self._views = list(_unflatten_dense_tensors(buffer, list(grads)))
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        self._buffer = buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self._views
+
+    def index(self) -> int:
+        return 0
+
+    def is_last(self) -> bool:
+        return True
+
+
+class GradientReducer:
+    """Sums every trainable parameter's gradient over the trainers' group each update.
+
+    ``compression`` "none" all-reduces float32 (exact); "fp16"/"bf16" and "powersgd" run the
+    matching torch DDP hook, which averages, so the result is scaled back to the sum.
+    PowerSGD (rank ``powersgd_rank`` low-rank factors with error feedback) sends plain
+    all-reduces for the first ``powersgd_warmup_updates`` updates, as torch's
+    ``start_powerSGD_iter``. Its error-feedback state lives in this object and is not in
+    checkpoints: a resumed run starts it afresh.
+    """
+
+    def __init__(
+        self,
+        compression: str = "none",
+        powersgd_rank: int = 4,
+        powersgd_warmup_updates: int = 10,
+    ) -> None:
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"unknown gradient compression {compression!r}; use one of {list(COMPRESSIONS)}")
+        self.compression = compression
+        self._powersgd = (
+            powerSGD_hook.PowerSGDState(
+                process_group=None,
+                matrix_approximation_rank=powersgd_rank,
+                start_powerSGD_iter=powersgd_warmup_updates,
+                min_compression_rate=2,
+                use_error_feedback=True,
+                warm_start=True,
+                random_seed=0,
+            )
+            if compression == "powersgd"
+            else None
         )
-    started = time.perf_counter()
-    params = [p for p in parameters if p.requires_grad]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in params]
-    flat = _flatten_dense_tensors(grads)
-    wire = flat.to(COMPRESSION_DTYPES[compression])
-    dist.all_reduce(wire, op=dist.ReduceOp.SUM)
-    if wire.dtype != flat.dtype:
-        flat.copy_(wire)
-    else:
-        flat = wire
-    for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
-        grad.copy_(reduced)
-    return {
-        "grad_allreduce_bytes": float(wire.numel() * wire.element_size()),
-        "grad_allreduce_seconds": time.perf_counter() - started,
-    }
+
+    def reduce(self, parameters: Sequence[torch.nn.Parameter]) -> dict[str, float]:
+        """All-reduces the gradients in place (a rank without micro-batches this update
+        contributes zeros); returns the bytes this rank sent into the all-reduce and the
+        seconds it took."""
+        started = time.perf_counter()
+        params = [p for p in parameters if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params]
+        flat = _flatten_dense_tensors(grads)
+        if self.compression == "none":
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            sent = flat.numel() * flat.element_size()
+        else:
+            sent = self._run_hook(flat, grads)
+            flat.mul_(dist.get_world_size())
+        for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+            grad.copy_(reduced)
+        return {
+            "grad_allreduce_bytes": float(sent),
+            "grad_allreduce_seconds": time.perf_counter() - started,
+        }
+
+    def _run_hook(self, flat: torch.Tensor, grads: Sequence[torch.Tensor]) -> int:
+        """Averages ``flat`` in place over the group with the configured hook; returns the
+        bytes this rank sent."""
+        bucket = FlatGradBucket(flat, grads)
+        if self._powersgd is None:
+            hook, wire = _HALF_PRECISION_HOOKS[self.compression]
+            hook(None, bucket).wait()  # type: ignore[arg-type]
+            return flat.numel() * wire.itemsize
+        state = self._powersgd
+        compressed_before = state.total_numel_after_compression
+        powerSGD_hook.powerSGD_hook(state, bucket).wait()  # type: ignore[arg-type]
+        numel = state.total_numel_after_compression - compressed_before or flat.numel()
+        return numel * flat.element_size()

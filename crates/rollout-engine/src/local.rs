@@ -16,7 +16,7 @@ use rollout_net::messages::{
 use rollout_net::tensor::TensorMeta;
 
 use crate::cluster::weights::{TensorBytes, VersionBuffer};
-use crate::config::LoadedConfig;
+use crate::config::{ClusterConfig, LoadedConfig};
 use crate::generation::PagedGenerator;
 use crate::plugins::{
     CallbackSet, DataPlugins, EnvironmentPlugin, Episode, PluginError, PluginLoadError,
@@ -138,13 +138,21 @@ impl PolicyHost {
         &self,
         rank: u32,
         world_size: u32,
-        backend: String,
-        compression: String,
+        cluster: ClusterConfig,
     ) -> Result<(), RoleError> {
         let policy = self.policy.clone();
         Ok(self
             .worker
-            .run(move |py| policy.join_data_parallel(py, rank, world_size, &backend, &compression))
+            .run(move |py| policy.join_data_parallel(py, rank, world_size, &cluster))
+            .await??)
+    }
+
+    /// Leaves the trainers' process group (a no-op for a rank that never joined one).
+    pub async fn leave_data_parallel(&self) -> Result<(), RoleError> {
+        let policy = self.policy.clone();
+        Ok(self
+            .worker
+            .run(move |py| policy.leave_data_parallel(py))
             .await??)
     }
 

@@ -154,6 +154,27 @@ fn impossible_values_are_located() {
 }
 
 #[test]
+fn powersgd_without_its_warm_up_is_located() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cluster = "[cluster]\ngradient_compression = \"powersgd\"\npowersgd_warmup_updates = 1\n";
+    let config = toy_config(tmp.path(), DIGIT_REWARD, cluster);
+    let out = rollout(&["check", config.to_str().unwrap()], tmp.path());
+    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert!(
+        err.contains("`cluster.powersgd_warmup_updates`: must be at least 2"),
+        "{err}"
+    );
+    let line = std::fs::read_to_string(&config)
+        .unwrap()
+        .lines()
+        .position(|line| line.starts_with("powersgd_warmup_updates"))
+        .unwrap()
+        + 1;
+    assert!(err.contains(&format!("toy.toml:{line}:1:")), "{err}");
+}
+
+#[test]
 fn missing_config_file_is_a_clear_error() {
     let tmp = tempfile::tempdir().unwrap();
     let out = rollout(&["run", "nope.toml"], tmp.path());

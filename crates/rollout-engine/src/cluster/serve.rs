@@ -326,13 +326,8 @@ pub async fn run_trainer(args: RoleArgs) -> Result<(), ClusterError> {
     let (mut server, loaded, host) = join("trainer", &args, info.clone()).await?;
     let cluster = &loaded.config.cluster;
     if args.world_size > 1 {
-        host.join_data_parallel(
-            args.rank,
-            args.world_size,
-            cluster.backend.clone(),
-            cluster.gradient_compression.as_str().into(),
-        )
-        .await?;
+        host.join_data_parallel(args.rank, args.world_size, cluster.clone())
+            .await?;
         tracing::info!(
             "trainer rank {} of {} joined the process group",
             args.rank,
@@ -383,7 +378,11 @@ pub async fn run_trainer(args: RoleArgs) -> Result<(), ClusterError> {
                 answer(responder, call, published);
             }
             MessageKind::Shutdown => {
-                answer(responder, call, Ok(Done {}));
+                answer(
+                    responder,
+                    call,
+                    host.leave_data_parallel().await.map(|()| Done {}),
+                );
                 return Ok(());
             }
             other => {

@@ -360,8 +360,14 @@ pub struct ClusterConfig {
     /// torch.distributed backend of the trainers: "gloo", "nccl", or "auto" (NCCL when CUDA
     /// is available).
     pub backend: String,
-    /// Gradient all-reduce precision: "none" (float32), "fp16" or "bf16" (half the bytes).
+    /// Gradient all-reduce: "none" (float32, exact), "fp16"/"bf16" (half the bytes) or
+    /// "powersgd" (low-rank factors), all but "none" through torch's DDP hooks.
     pub gradient_compression: GradientCompression,
+    /// Rank of PowerSGD's low-rank factors.
+    pub powersgd_rank: u32,
+    /// Updates all-reduced uncompressed before PowerSGD starts (torch's
+    /// `start_powerSGD_iter`; at least 2).
+    pub powersgd_warmup_updates: u32,
     /// Encrypt every link with TLS 1.3 (self-signed identities; the cluster secret proves
     /// who is who, bound to the TLS session). Roles started elsewhere need `--tls`.
     pub tls: bool,
@@ -381,6 +387,8 @@ impl Default for ClusterConfig {
             weight_bucket_bytes: 8 << 20,
             backend: "auto".into(),
             gradient_compression: GradientCompression::None,
+            powersgd_rank: 4,
+            powersgd_warmup_updates: 10,
             tls: false,
         }
     }
@@ -392,6 +400,7 @@ pub enum GradientCompression {
     None,
     Fp16,
     Bf16,
+    Powersgd,
 }
 
 impl GradientCompression {
@@ -400,6 +409,7 @@ impl GradientCompression {
             GradientCompression::None => "none",
             GradientCompression::Fp16 => "fp16",
             GradientCompression::Bf16 => "bf16",
+            GradientCompression::Powersgd => "powersgd",
         }
     }
 }

@@ -122,6 +122,16 @@ pub fn validate(loaded: &LoadedConfig) -> Result<(), ConfigError> {
         "must be at least 1024",
     )?;
     check(
+        cluster.powersgd_rank >= 1,
+        "cluster.powersgd_rank",
+        "must be at least 1",
+    )?;
+    check(
+        cluster.powersgd_warmup_updates >= 2,
+        "cluster.powersgd_warmup_updates",
+        "must be at least 2 (PowerSGD's error feedback starts after two plain all-reduces)",
+    )?;
+    check(
         ["auto", "gloo", "nccl"].contains(&cluster.backend.as_str()),
         "cluster.backend",
         "must be \"auto\", \"gloo\" or \"nccl\"",

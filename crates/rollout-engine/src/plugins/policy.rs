@@ -38,8 +38,9 @@ impl KvLayout {
 pub struct PolicyPlugin {
     pub(super) plugin: PluginRef,
     sdk: Arc<Sdk>,
-    /// Gradient compression of the data-parallel group this trainer rank joined, if any.
-    pub(super) data_parallel: std::sync::OnceLock<String>,
+    /// The `rollout_sdk.distributed.GradientReducer` of the data-parallel group this
+    /// trainer rank joined, if any.
+    pub(super) data_parallel: std::sync::OnceLock<Py<PyAny>>,
 }
 
 impl PolicyPlugin {
@@ -346,8 +347,8 @@ impl PolicyPlugin {
                 (name, value)
             })
             .collect();
-        if let Some(compression) = self.data_parallel.get() {
-            metrics.extend(self.all_reduce_gradients(py, compression)?);
+        if let Some(reducer) = self.data_parallel.get() {
+            metrics.extend(self.all_reduce_gradients(py, reducer)?);
         }
         let hook = "apply_update";
         let update = self.plugin.call(py, hook, (request.learning_rate,))?;

@@ -10,42 +10,63 @@ use rollout_net::tensor::{Dtype, TensorMeta};
 use super::PluginError;
 use super::policy::PolicyPlugin;
 use crate::cluster::weights::TensorBytes;
+use crate::config::ClusterConfig;
 
 impl PolicyPlugin {
     /// Joins the trainers' torch.distributed process group (`env://` rendezvous:
-    /// `MASTER_ADDR`/`MASTER_PORT`); from then on every update all-reduces the gradients.
+    /// `MASTER_ADDR`/`MASTER_PORT`) on `cluster.backend`; from then on every update
+    /// all-reduces the gradients, compressed as `cluster` says.
     pub fn join_data_parallel(
         &self,
         py: Python<'_>,
         rank: u32,
         world_size: u32,
-        backend: &str,
-        compression: &str,
+        cluster: &ClusterConfig,
     ) -> Result<(), PluginError> {
         let hook = "trainable_parameters";
         let parameters = self.plugin.call(py, hook, ())?;
-        py.import("rollout_sdk.distributed")
+        let reducer = py
+            .import("rollout_sdk.distributed")
             .and_then(|d| {
                 d.call_method1(
                     "init_process_group",
-                    (backend, rank, world_size, parameters),
+                    (cluster.backend.as_str(), rank, world_size, parameters),
+                )?;
+                d.call_method1(
+                    "GradientReducer",
+                    (
+                        cluster.gradient_compression.as_str(),
+                        cluster.powersgd_rank,
+                        cluster.powersgd_warmup_updates,
+                    ),
                 )
             })
             .map_err(|err| self.plugin.raised(py, hook, &err))?;
-        let _ = self.data_parallel.set(compression.to_owned());
+        let _ = self.data_parallel.set(reducer.unbind());
+        Ok(())
+    }
+
+    /// Leaves the process group once every rank is here, so no collective is cut short.
+    pub fn leave_data_parallel(&self, py: Python<'_>) -> Result<(), PluginError> {
+        if self.data_parallel.get().is_none() {
+            return Ok(());
+        }
+        py.import("rollout_sdk.distributed")
+            .and_then(|d| d.call_method0("leave_process_group"))
+            .map_err(|err| self.plugin.raised(py, "leave_process_group", &err))?;
         Ok(())
     }
 
     pub(super) fn all_reduce_gradients(
         &self,
         py: Python<'_>,
-        compression: &str,
+        reducer: &Py<PyAny>,
     ) -> Result<BTreeMap<String, f64>, PluginError> {
         let hook = "trainable_parameters";
         let parameters = self.plugin.call(py, hook, ())?;
-        let metrics = py
-            .import("rollout_sdk.distributed")
-            .and_then(|d| d.call_method1("all_reduce_gradients", (parameters, compression)))
+        let metrics = reducer
+            .bind(py)
+            .call_method1("reduce", (parameters,))
             .map_err(|err| self.plugin.raised(py, hook, &err))?;
         self.float_metrics(hook, &metrics)
     }
