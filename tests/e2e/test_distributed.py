@@ -20,6 +20,16 @@ __all__ = ["artifacts"]
 
 LAUNCH_TIMEOUT = 300
 TIMING_WORDS = ("seconds", "per_second", "overhead_fraction", "engine/kv_blocks", "engine/kv_occupancy")
+# The generation pool's own bookkeeping, only in runs with separate worker processes.
+POOL_METRICS = (
+    "workers",
+    "workers_joined",
+    "workers_lost",
+    "leases",
+    "leases_revoked",
+    "answers_rejected",
+    "groups_dropped",
+)
 
 
 def launch(config: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -64,7 +74,10 @@ def test_staleness_zero_with_one_worker_and_one_trainer_reproduces_rollout_run(
 
     local, remote = metrics(local_dir), metrics(cluster_dir)
     assert [line["step"] for line in remote] == [1, 2, 3, 4]
-    # Everything but wall times is identical: rewards, losses, KL, lengths, weight versions.
+    assert all(line["workers"] == 1 and line["leases"] == 2 for line in remote)
+    pool = {name for line in remote for name in line if name in POOL_METRICS or name.startswith("worker_")}
+    remote = [{k: v for k, v in line.items() if k not in pool} for line in remote]
+    # Everything else but wall times is identical: rewards, losses, KL, lengths, versions.
     assert learning_signal(remote) == learning_signal(local)
     for line in remote:
         assert line["staleness_max"] == 0

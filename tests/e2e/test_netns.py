@@ -39,7 +39,8 @@ SECRET = "the netns test's cluster secret"
 STEPS = 4
 # Latency the proxy adds to each chunk of the workers' control connections, each way.
 LINK_DELAY_MS = 20
-SAMPLES_PER_STEP = 4 * 4  # prompts_per_step * group_size
+PROMPTS_PER_STEP = 4
+SAMPLES_PER_STEP = PROMPTS_PER_STEP * 4  # times group_size
 # Bounds on every wait: a whole run, the roles' exits after the controller's, start-up.
 RUN_SECONDS = 80
 EXIT_SECONDS = 40
@@ -498,38 +499,36 @@ def assert_valid_checkpoint(directory: Path, *, max_step: int) -> None:
 
 
 @pytest.mark.slow
-def test_a_worker_lost_mid_run_stops_the_run_cleanly(net: Network, tmp_path: Path, artifacts: Path) -> None:
+def test_a_worker_whose_connection_resets_connects_again_and_the_run_completes(
+    net: Network, tmp_path: Path, artifacts: Path
+) -> None:
     # About 3-5 kB go each way while the roles join and load, then 2.4-2.9 kB per step on a
-    # worker's control connection: a reset after 40 kB cuts gen-0's around step 12-16 of 40.
+    # worker's control connection: the proxy resets every connection of gen-0 after 40 kB,
+    # so gen-0 loses its controller every dozen steps or so and connects again.
     steps = 40
     proxy = start_proxy(net, "--reset-after-bytes", "40000")
     run = run_cluster(
         net, tmp_path, artifacts, steps=steps, checkpoint_every=1, proxy=proxy, proxied_workers=(0,)
     )
-    assert re.search(r"connection 1 from [\d.]+:\d+: forwarding", proxy.stderr), proxy.stderr
-    assert "connection 1: RESET by --reset-after-bytes" in proxy.stderr, proxy.stderr
+    resets = re.findall(r"connection (\d+): RESET by --reset-after-bytes", proxy.stderr)
+    assert len(resets) >= 1, proxy.stderr
     controller = run.controller
-    assert controller.process.returncode not in (0, None), net.report()
-    # The run stops with one clear error naming the lost worker, and no summary.
-    error = controller.stderr.strip().splitlines()[-1]
-    assert error.startswith("error:"), controller.stderr[-4000:]
-    assert re.search(r"lost worker `gen-0`", error), error
-    assert "done:" not in controller.stdout
-    # The reset happened mid-run: after some steps were trained, before the last.
-    lines = run.metrics() if (run.output / "metrics.jsonl").exists() else []
-    assert 1 <= len(lines) < steps, f"{len(lines)} steps"
-    assert [line["step"] for line in lines] == list(range(1, len(lines) + 1))
-    # The worker that lost its controller says so and exits; the other roles were shut down.
-    lost = run.workers[0]
-    assert lost.process.returncode != 0
-    assert "lost the controller" in lost.stderr, lost.stderr[-3000:]
-    for role in [run.workers[1], *run.trainers]:
+    assert controller.process.returncode == 0, net.report()
+    assert f"done: {steps} steps" in controller.stdout
+    # The controller lost gen-0 at each reset and gen-0 joined again, with the newest weights.
+    assert "gen-0 left the generation pool" in controller.stderr, controller.stderr[-4000:]
+    assert "gen-0 joined the run's generation workers" in controller.stderr, controller.stderr[-4000:]
+    assert "lost the controller" in run.workers[0].stderr and "connecting again" in run.workers[0].stderr
+    lines = run.metrics()
+    assert [line["step"] for line in lines] == list(range(1, steps + 1))
+    assert sum(line["workers_lost"] for line in lines) >= 1
+    for role in run.roles[1:]:
         assert role.process.returncode == 0, f"{role.label} exited {role.process.returncode}\n{net.report()}"
     assert_no_panic(net)
-    checkpoints = sorted(
-        p for p in (run.output / "checkpoints").glob("step-*") if re.fullmatch(r"step-\d{8}", p.name)
+    audit = subprocess.run(
+        [str(ROLLOUT), "audit", str(run.output)], capture_output=True, text=True, timeout=60
     )
-    if checkpoints:
-        assert_valid_checkpoint(checkpoints[-1], max_step=len(lines))
-        latest = (run.output / "checkpoints" / "latest").read_text().strip()
-        assert latest == checkpoints[-1].name
+    assert audit.returncode == 0, audit.stderr
+    found = json.loads(audit.stdout)
+    assert found["groups_lost"] == 0 and found["groups_duplicated"] == 0, found
+    assert found["groups_trained"] == steps * PROMPTS_PER_STEP, found

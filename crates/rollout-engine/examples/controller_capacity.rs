@@ -31,7 +31,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use rollout_engine::cluster::remote::RemoteWorkers;
+use rollout_engine::cluster::ledger::Ledger;
+use rollout_engine::cluster::workers::{PoolSettings, RemoteWorkers};
 use rollout_engine::roles::Generator;
 use rollout_net::ClusterKey;
 use rollout_net::link::{Link, LinkLimits};
@@ -286,6 +287,7 @@ fn request_template(shape: Shape, prompt_tokens: usize) -> GenerateRequest {
                 n: shape.group,
                 max_new_tokens: Vec::new(),
                 seed: Some(p as u64),
+                group: None,
             })
             .collect(),
         sampling: SamplingParams {
@@ -509,7 +511,11 @@ async fn measure(
     let key = ClusterKey::from_secret(ClusterKey::random_secret().as_bytes()).expect("a key");
     let clients = start_workers(sim, workers, &key, completion_tokens).await;
     let first = clients[0].clone();
-    let remote = Arc::new(RemoteWorkers::new(clients));
+    let remote = Arc::new(RemoteWorkers::new(
+        clients,
+        Ledger::new(None),
+        PoolSettings::default(),
+    ));
     let template = request_template(shape, settings.prompt_tokens);
 
     // Sizes of what travels: the request's JSON, and the answer's for all prompts.

@@ -9,5 +9,7 @@ pub mod local;
 pub mod plugins;
 pub mod python;
 pub mod roles;
+pub mod sandbox;
+pub mod scoring;
 pub mod session;
 pub mod train;

@@ -27,6 +27,7 @@ use crate::roles::{
     Environments, EpisodeStart, Generator, Learner, Observer, RoleError, RoleFuture, RunStarted,
     Scorer, Tokenizer,
 };
+use crate::scoring::Scoring;
 
 impl From<PluginError> for RoleError {
     fn from(err: PluginError) -> Self {
@@ -310,7 +311,7 @@ impl Tokenizer for PolicyHost {
 /// The run's data, rewards, environment and callbacks.
 pub struct Services {
     worker: Arc<PythonWorker>,
-    rewards: Arc<RewardSet>,
+    rewards: Scoring,
     environment: Option<Arc<EnvironmentPlugin>>,
     callbacks: Arc<CallbackSet>,
     data: Arc<DataPlugins>,
@@ -325,20 +326,24 @@ impl Services {
         loaded: &LoadedConfig,
     ) -> Result<Self, LocalError> {
         let loaded_config = loaded.clone();
+        let sandboxed = Scoring::sandboxed(&loaded.config);
         let (data, rewards, environment, callbacks) = worker
             .run(move |py| -> Result<_, LocalError> {
                 seed_once(py, loaded_config.config.run.seed)?;
                 let sdk = Sdk::import(py)?;
                 let data = DataPlugins::load(py, &loaded_config)?;
-                let rewards = RewardSet::load(py, &loaded_config, sdk.clone())?;
+                let rewards = (!sandboxed)
+                    .then(|| RewardSet::load(py, &loaded_config, sdk.clone()))
+                    .transpose()?;
                 let environment = EnvironmentPlugin::load(py, &loaded_config)?;
                 let callbacks = CallbackSet::load(py, &loaded_config, sdk)?;
                 Ok((data, rewards, environment, callbacks))
             })
             .await??;
+        let rewards = Scoring::new(&worker, loaded, rewards).await?;
         Ok(Services {
             worker,
-            rewards: Arc::new(rewards),
+            rewards,
             environment: environment.map(Arc::new),
             callbacks: Arc::new(callbacks),
             data: Arc::new(data),
@@ -351,7 +356,7 @@ impl Services {
     }
 
     pub fn reward_names(&self) -> Vec<String> {
-        self.rewards.names().map(str::to_owned).collect()
+        self.rewards.names()
     }
 
     /// Every data record, through the transforms.
@@ -363,13 +368,7 @@ impl Services {
 
 impl Scorer for Services {
     fn score(&self, request: ScoreRequest) -> RoleFuture<'_, ScoreResponse> {
-        let rewards = self.rewards.clone();
-        boxed(async move {
-            Ok(self
-                .worker
-                .run(move |py| rewards.score(py, &request))
-                .await??)
-        })
+        boxed(self.rewards.score(&self.worker, request))
     }
 }
 

@@ -13,6 +13,7 @@ use pyo3::types::PyDict;
 use rollout_engine::cluster::ClusterError;
 use rollout_engine::config::{self, ConfigError};
 use rollout_engine::python::{PythonError, PythonSetup, PythonWorker};
+use rollout_engine::roles::RoleError;
 use rollout_engine::session::{Session, SessionError};
 use rollout_engine::train::{RunError, Start};
 
@@ -78,6 +79,13 @@ enum Command {
         rank: Option<u32>,
         #[arg(long, env = "WORLD_SIZE")]
         world_size: Option<u32>,
+    },
+    /// Read a distributed run's ledger (OUTPUT_DIR/ledger.jsonl) and print, as JSON, how many
+    /// prompt groups were trained, lost, trained twice or dropped; exits 1 if any was lost
+    /// or trained twice.
+    Audit {
+        /// The run's output directory.
+        output_dir: PathBuf,
     },
     /// Create the quickstart's tiny model, tokenizer and addition dataset (no downloads).
     InitQuickstart {
@@ -306,7 +314,7 @@ async fn execute(command: Command) -> anyhow::Result<()> {
         }
         Command::Worker { role } => {
             let args = role.into_args(0, 1)?;
-            Ok(rollout_engine::cluster::serve::run_worker(args).await?)
+            Ok(rollout_engine::cluster::worker::run_worker(args).await?)
         }
         Command::Trainer {
             role,
@@ -323,6 +331,17 @@ async fn execute(command: Command) -> anyhow::Result<()> {
             let args = role.into_args(rank, world_size)?;
             Ok(rollout_engine::cluster::serve::run_trainer(args).await?)
         }
+        Command::Audit { output_dir } => {
+            let audit = rollout_engine::cluster::ledger::audit(&output_dir.join("ledger.jsonl"))?;
+            println!("{}", serde_json::to_string(&audit)?);
+            anyhow::ensure!(
+                audit.groups_lost == 0 && audit.groups_duplicated == 0,
+                "{} prompt groups lost and {} trained twice",
+                audit.groups_lost,
+                audit.groups_duplicated
+            );
+            Ok(())
+        }
         Command::InitQuickstart { dir, force } => init_quickstart(dir, force).await,
     }
 }
@@ -334,7 +353,7 @@ async fn launch(
     start: Start,
     external_roles: bool,
 ) -> anyhow::Result<()> {
-    use rollout_engine::cluster::{self, launch::spawn_roles};
+    use rollout_engine::cluster;
     let cluster_config = &loaded.config.cluster;
     let secret = match (
         &cluster_config.secret_file,
@@ -350,44 +369,110 @@ async fn launch(
         ),
     };
     let key = rollout_net::ClusterKey::from_secret(secret.as_bytes())?;
-    let listener = rollout_net::link::listen(&cluster_config.listen).await?;
-    let address = listener.local_addr()?;
+    let interrupted = watch_ctrl_c();
+    let mut start = start;
+    let mut restarts = 0;
+    loop {
+        let attempt = launch_once(&loaded, start, &key, &secret, external_roles, &interrupted);
+        let failure = match attempt.await {
+            Attempt::Finished(result) => {
+                let summary = result?;
+                println!("{}", format_summary(&summary));
+                return Ok(());
+            }
+            Attempt::RoleLost(failure) => failure,
+        };
+        let limit = cluster_config.max_run_restarts;
+        if restarts >= limit || interrupted.load(Ordering::SeqCst) {
+            return Err(failure.context(format!(
+                "the run was restarted {restarts} times already (cluster.max_run_restarts = {limit})"
+            )));
+        }
+        restarts += 1;
+        tracing::warn!(
+            "{failure:#}; restarting every role from the last checkpoint ({restarts} of {limit})"
+        );
+        start = Start::Resume;
+    }
+}
+
+/// How one launch of a run's processes ended.
+enum Attempt {
+    Finished(anyhow::Result<rollout_engine::train::Summary>),
+    /// A trainer rank (or every generation worker) was lost: the run can restart from its
+    /// last checkpoint.
+    RoleLost(anyhow::Error),
+}
+
+/// Whether `err` is a role lost or silent (the run can restart from its last checkpoint),
+/// rather than a failure that would happen again (plugin error, bad config).
+fn is_role_loss(err: &ClusterError) -> bool {
+    matches!(
+        err,
+        ClusterError::Role(RoleError::WorkerLost { .. } | RoleError::TimedOut { .. })
+            | ClusterError::Run(RunError::Role(
+                RoleError::WorkerLost { .. } | RoleError::TimedOut { .. }
+            ))
+    )
+}
+
+/// Listens, starts the roles (unless `external_roles`) and runs the controller until the
+/// run ends or a role it cannot do without is lost.
+async fn launch_once(
+    loaded: &config::LoadedConfig,
+    start: Start,
+    key: &rollout_net::ClusterKey,
+    secret: &str,
+    external_roles: bool,
+    interrupted: &Arc<AtomicBool>,
+) -> Attempt {
+    use rollout_engine::cluster::{self, launch::Exited, launch::spawn_roles};
+    let cluster_config = &loaded.config.cluster;
+    let listener = match rollout_net::link::listen(&cluster_config.listen).await {
+        Ok(listener) => listener,
+        Err(err) => return Attempt::Finished(Err(err.into())),
+    };
     tracing::info!(
         "{}",
         cluster::controller::describe_listener(&listener, &loaded.path)
     );
-    let interrupted = watch_ctrl_c();
     let mut children = if external_roles {
         None
     } else {
-        Some(spawn_roles(
-            cluster_config,
-            address,
-            &secret,
-            tracing::enabled!(tracing::Level::DEBUG),
-        )?)
+        let Ok(address) = listener.local_addr() else {
+            return Attempt::Finished(Err(anyhow::anyhow!("the listener has no address")));
+        };
+        let debug = tracing::enabled!(tracing::Level::DEBUG);
+        match spawn_roles(cluster_config, address, secret, debug) {
+            Ok(children) => Some(children),
+            Err(err) => return Attempt::Finished(Err(err.into())),
+        }
     };
-    let run = cluster::controller::run(&loaded, listener, key, start, interrupted);
+    let run = cluster::controller::run(loaded, listener, key.clone(), start, interrupted.clone());
     let mut run = std::pin::pin!(run);
-    // A role that exits before the controller shuts it down ends the run at once (its
-    // connection would otherwise only be missed after the heartbeat timeout).
+    // A trainer rank that exits before the controller shuts it down ends this attempt at
+    // once (its connection would otherwise only be missed after the heartbeat timeout); a
+    // generation worker that dies is started again and rejoins.
     let result = match children.as_mut() {
         None => run.await,
-        Some(roles) => tokio::select! {
-            result = &mut run => result,
-            Some((name, status)) = roles.first_exit() => match status {
-                Ok(status) if status.success() => run.await,
-                Ok(status) => anyhow::bail!("{name} exited with {status}; the run cannot go on"),
-                Err(err) => anyhow::bail!("{name}: {err}"),
-            },
+        Some(roles) => loop {
+            tokio::select! {
+                result = &mut run => break result,
+                Some(exited) = roles.next_exit() => {
+                    if let Exited::Fatal(reason) = exited {
+                        return Attempt::RoleLost(anyhow::anyhow!(reason));
+                    }
+                }
+            }
         },
     };
     if let Some(children) = children {
         children.reap(std::time::Duration::from_secs(30)).await;
     }
-    let summary = result?;
-    println!("{}", format_summary(&summary));
-    Ok(())
+    match result {
+        Err(err) if is_role_loss(&err) => Attempt::RoleLost(err.into()),
+        result => Attempt::Finished(result.map_err(Into::into)),
+    }
 }
 
 /// The first Ctrl-C asks the run to stop after the current step (and checkpoint); the second

@@ -6,6 +6,7 @@
 //! interpreter; [`crate::cluster`] implements them across processes and machines. Nothing
 //! here knows about Python: a role's failure is a [`RoleError`], whoever reports it.
 
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::path::PathBuf;
 use std::pin::Pin;
@@ -47,6 +48,15 @@ pub trait Generator: Send + Sync {
     /// generation worker then serves. In-process, the generator shares the learner's
     /// weights and there is nothing to copy.
     fn load_weights(&self, weights: WeightsReport) -> RoleFuture<'_, Vec<WeightsReport>>;
+    /// The update of `step` has been applied: whatever the generator tracks about the
+    /// step's samples is settled. Returns the generator's metrics since the last call.
+    fn step_trained(&self, _step: u64) -> RoleFuture<'_, BTreeMap<String, f64>> {
+        Box::pin(async { Ok(BTreeMap::new()) })
+    }
+    /// The learner restarted from the checkpoint of `step`; later updates are undone.
+    fn resumed_from(&self, _step: u64) -> RoleFuture<'_, ()> {
+        Box::pin(async { Ok(()) })
+    }
 }
 
 pub trait Scorer: Send + Sync {

@@ -365,6 +365,64 @@ fn reward_that_raises_fails_the_run_with_traceback() {
     run_fails_with("RaisingReward", "in score\n    raise ValueError");
 }
 
+/// The sandboxed counterpart: in worker processes the same reward costs its samples (logged
+/// with the traceback, counted in the metrics, not trained on) and the run completes.
+#[test]
+fn sandboxed_reward_that_raises_costs_its_samples_not_the_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let reward = "[[rewards]]\nplugin = \"toy_plugins:RaisingReward\"\n";
+    let sandbox = "[sandbox]\nprocesses = 2\nmax_failed_fraction = 1.0\n\
+                   max_failed_fraction_per_step = 1.0\n";
+    let config = toy_config(tmp.path(), reward, sandbox);
+    let args = [
+        "run",
+        config.to_str().unwrap(),
+        "--set",
+        "run.log_samples=100",
+    ];
+    let out = rollout(&args, tmp.path());
+    assert!(out.status.success(), "{}", stderr(&out));
+    let lines = metric_lines(tmp.path());
+    assert_eq!(lines.len(), 3);
+    for line in &lines {
+        assert_eq!(line["reward_failed"], 6, "{line}");
+        assert_eq!(line["reward_failed_raised"], 6, "{line}");
+        assert_eq!(line["reward_failed_timeout"], 0, "{line}");
+        assert_eq!(line["trained_rows"], 0, "{line}");
+    }
+    let samples = std::fs::read_to_string(tmp.path().join("out/samples.jsonl")).unwrap();
+    assert_eq!(samples.lines().count(), 18);
+    for sample in samples.lines() {
+        let sample: serde_json::Value = serde_json::from_str(sample).unwrap();
+        assert_eq!(sample["failed"]["reason"], "raised", "{sample}");
+        assert_eq!(sample["reward"], serde_json::Value::Null, "{sample}");
+        let traceback = sample["failed"]["traceback"].as_str().unwrap();
+        assert!(
+            traceback.contains("reward exploded on purpose"),
+            "{traceback}"
+        );
+    }
+}
+
+#[test]
+fn sandboxed_reward_with_a_bad_option_points_at_its_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let reward = "[[rewards]]\nplugin = \"python_plugins.rewards:Format\"\n\
+                  options = { pattern = \"x\", require_stop = \"yes\" }\n";
+    let config = toy_config(tmp.path(), reward, "[sandbox]\nprocesses = 1\n");
+    let out = rollout(&["check", config.to_str().unwrap()], tmp.path());
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(
+        err.contains("toy.toml:25:28: `rewards[0].options.require_stop`"),
+        "{err}"
+    );
+    assert!(
+        err.contains("expected true or false, got 'yes' (plugin `python_plugins.rewards:Format`)"),
+        "{err}"
+    );
+}
+
 #[test]
 fn reward_with_wrong_count_is_rejected() {
     run_fails_with("WrongCountReward", "returned 5 scores for 6 samples");

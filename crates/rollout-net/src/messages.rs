@@ -59,6 +59,16 @@ pub struct PromptRequest {
     /// are split between generation workers.
     #[serde(default)]
     pub seed: Option<u64>,
+    /// Which prompt group of which step this is, for the controller's ledger.
+    #[serde(default)]
+    pub group: Option<GroupRef>,
+}
+
+/// A prompt group's identity in a run: its step and its index among the step's groups.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct GroupRef {
+    pub step: u64,
+    pub index: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -100,11 +110,66 @@ pub struct ScoreRequest {
     pub samples: Vec<ScoreSample>,
 }
 
-/// The weighted total per sample, and each reward's raw scores by name.
+/// The weighted total per sample, and each reward's raw scores by name. A sample listed in
+/// `failed` could not be scored (its total and scores are 0 and mean nothing).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ScoreResponse {
     pub totals: Vec<f64>,
     pub components: Vec<RewardComponent>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub failed: Vec<ScoreFailure>,
+}
+
+/// A sample that a sandboxed reward could not score.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ScoreFailure {
+    /// The sample's index in the request.
+    pub index: usize,
+    pub reason: FailureReason,
+    /// One line: the exception, the timeout, the signal.
+    pub message: String,
+    /// The reward that failed, when known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reward: Option<String>,
+    /// The Python traceback, when the reward raised.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub traceback: Option<String>,
+}
+
+/// Why a sample could not be scored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailureReason {
+    /// The reward raised an exception.
+    Raised,
+    /// The call ran past its wall-clock timeout or its CPU-time limit.
+    Timeout,
+    /// The process scoring it died (a segfault, a protocol violation).
+    Crashed,
+    /// MemoryError, or the process was killed for memory.
+    Memory,
+    /// The reward returned something other than one finite float.
+    Invalid,
+}
+
+impl FailureReason {
+    pub const ALL: [FailureReason; 5] = [
+        FailureReason::Raised,
+        FailureReason::Timeout,
+        FailureReason::Crashed,
+        FailureReason::Memory,
+        FailureReason::Invalid,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailureReason::Raised => "raised",
+            FailureReason::Timeout => "timeout",
+            FailureReason::Crashed => "crashed",
+            FailureReason::Memory => "memory",
+            FailureReason::Invalid => "invalid",
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -102,7 +102,7 @@ pub(crate) fn start_server(
     let (outgoing, queue) = mpsc::unbounded_channel::<Frame>();
     let (incoming, requests) = mpsc::channel(limits.credits.max(1) as usize);
     let (reader_done, stop_writing) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(server_writer(sink, queue, limits.heartbeat, stop_writing));
+    let writer = tokio::spawn(server_writer(sink, queue, limits.heartbeat, stop_writing));
     let reader_peer = peer.clone();
     let timeout = limits.peer_timeout;
     let closed = Arc::new(Mutex::new(None));
@@ -120,6 +120,7 @@ pub(crate) fn start_server(
         responder: Responder { outgoing, peer },
         hello,
         closed,
+        writer,
     }
 }
 
@@ -491,6 +492,7 @@ pub struct RpcServer {
     pub responder: Responder,
     pub hello: Hello,
     closed: Arc<Mutex<Option<String>>>,
+    writer: tokio::task::JoinHandle<()>,
 }
 
 impl RpcServer {
@@ -501,6 +503,19 @@ impl RpcServer {
             .ok()
             .and_then(|reason| reason.clone())
             .unwrap_or_else(|| "connection closed".into())
+    }
+
+    /// Closes the connection once every answer already given is written (waiting at most
+    /// `grace` for other holders of the responder to let go).
+    pub async fn close(self, grace: Duration) {
+        let RpcServer {
+            requests,
+            responder,
+            writer,
+            ..
+        } = self;
+        drop((requests, responder));
+        let _ = tokio::time::timeout(grace, writer).await;
     }
 }
 

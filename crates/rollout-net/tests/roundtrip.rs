@@ -106,6 +106,7 @@ fn samples() -> Vec<Frame> {
                     n: 4,
                     max_new_tokens: vec![8, 16, 8, 128],
                     seed: Some(9),
+                    group: Some(rollout_net::messages::GroupRef { step: 3, index: 1 }),
                 }],
                 sampling,
             },
@@ -141,6 +142,13 @@ fn samples() -> Vec<Frame> {
                     name: "exact".into(),
                     weight: 1.0,
                     scores: vec![1.0],
+                }],
+                failed: vec![ScoreFailure {
+                    index: 0,
+                    reason: FailureReason::Timeout,
+                    message: "timed out after 2 s".into(),
+                    reward: Some("exact".into()),
+                    traceback: None,
                 }],
             },
             Bytes::new(),
@@ -370,7 +378,7 @@ prop_compose! {
     ) -> GenerateRequest {
         let prompts = prompts
             .into_iter()
-            .map(|(prompt_ids, n, max_new_tokens)| PromptRequest { prompt_ids, n, max_new_tokens, seed: None })
+            .map(|(prompt_ids, n, max_new_tokens)| PromptRequest { prompt_ids, n, max_new_tokens, seed: None, group: None })
             .collect();
         GenerateRequest { prompts, sampling }
     }
@@ -413,7 +421,7 @@ prop_compose! {
             .into_iter()
             .map(|(name, weight, scores)| RewardComponent { name, weight, scores })
             .collect();
-        ScoreResponse { totals, components }
+        ScoreResponse { totals, components, failed: Vec::new() }
     }
 }
 

@@ -20,6 +20,7 @@ fn request() -> GenerateRequest {
             n: 2,
             max_new_tokens: vec![],
             seed: None,
+            group: None,
         }],
         sampling: SamplingParams {
             max_new_tokens: 32,

@@ -16,7 +16,9 @@ use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 
 use super::ClusterError;
-use super::remote::{RemoteTrainers, RemoteWorkers};
+use super::ledger::Ledger;
+use super::remote::RemoteTrainers;
+use super::workers::{PoolSettings, RemoteWorkers};
 use crate::config::{ClusterConfig, LoadedConfig};
 use crate::local::Services;
 use crate::python::{PythonSetup, PythonWorker};
@@ -70,7 +72,7 @@ fn accept_roles(
                     Ok(link) => {
                         let who = link.describe();
                         if joined.send(link).await.is_err() {
-                            tracing::warn!("{who} connected, but every role of the run has joined");
+                            tracing::warn!("{who} connected, but the run is over");
                         }
                     }
                     Err(err) => tracing::warn!("refused a connection from {addr}: {err}"),
@@ -89,6 +91,7 @@ pub struct Joined {
 
 /// Waits until `cluster.workers` workers and `cluster.trainers` trainer ranks have joined,
 /// then sends each the run's config and waits until every one has loaded its policy.
+/// Generation workers that connect later join the running pool.
 pub async fn gather(
     listener: TcpListener,
     key: ClusterKey,
@@ -166,8 +169,16 @@ pub async fn gather(
             .map_err(|_| ClusterError::Protocol(format!("{who} did not load in time")))?
             .map_err(|err| ClusterError::Protocol(format!("{who} could not start: {err}")))?;
     }
+    let journal = loaded.config.run.output_dir.join("ledger.jsonl");
+    let settings = PoolSettings {
+        lease_timeout: Duration::from_secs_f64(cluster.lease_timeout_seconds),
+        join_timeout: limit,
+        max_attempts: cluster.max_attempts,
+    };
+    let workers = RemoteWorkers::new(workers, Ledger::new(Some(&journal)), settings);
+    workers.admit_late_workers(links, config_toml);
     Ok(Joined {
-        workers: RemoteWorkers::new(workers),
+        workers,
         trainers: RemoteTrainers::new(trainers),
     })
 }

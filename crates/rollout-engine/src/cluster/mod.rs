@@ -5,9 +5,12 @@
 
 pub mod controller;
 pub mod launch;
+pub mod ledger;
 pub mod remote;
 pub mod serve;
 pub mod weights;
+pub mod worker;
+pub mod workers;
 
 use rollout_net::{AuthError, ClusterKey, NetError};
 

@@ -1,5 +1,6 @@
-//! The controller's side of remote roles: generation workers and trainer ranks reached over
-//! authenticated connections, behind the same traits as the in-process roles.
+//! The controller's side of remote trainer ranks, reached over authenticated connections
+//! behind the same trait as the in-process learner, and the call helpers every remote role
+//! uses (generation workers are in [`super::workers`]).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -7,12 +8,12 @@ use std::path::PathBuf;
 use bytes::Bytes;
 use rollout_net::NetError;
 use rollout_net::messages::{
-    CheckpointRequest, Done, GenerateRequest, GenerateResponse, Message, PublishWeights, Shutdown,
-    SyncWeights, TokenizerRequest, TokenizerResponse, TrainRequest, TrainResponse, WeightsReport,
+    CheckpointRequest, Done, Message, PublishWeights, Shutdown, TrainRequest, TrainResponse,
+    WeightsReport,
 };
 use rollout_net::rpc::{Call, RpcClient};
 
-use crate::roles::{Generator, Learner, RoleError, RoleFuture, Tokenizer};
+use crate::roles::{Learner, RoleError, RoleFuture};
 
 fn role_error(err: NetError) -> RoleError {
     match err {
@@ -28,7 +29,7 @@ fn role_error(err: NetError) -> RoleError {
 
 /// Sends `request` now (so calls reach each peer in the order they are made) and returns
 /// its answer as a future.
-fn send<Req: Message + 'static, Resp: Message + Send + 'static>(
+pub(super) fn send<Req: Message + 'static, Resp: Message + Send + 'static>(
     peer: &RpcClient,
     request: &Req,
 ) -> impl Future<Output = Result<Resp, RoleError>> + Send + 'static + use<Req, Resp> {
@@ -43,178 +44,6 @@ fn send<Req: Message + 'static, Resp: Message + Send + 'static>(
     }
 }
 
-/// Generation workers: a step's prompts are dealt round-robin among them, and weight
-/// versions travel along a chain of them.
-pub struct RemoteWorkers {
-    workers: Vec<RpcClient>,
-}
-
-impl RemoteWorkers {
-    pub fn new(workers: Vec<RpcClient>) -> Self {
-        Self { workers }
-    }
-
-    /// The address a worker serves weights on, as it announced in its greeting.
-    fn weights_address(worker: &RpcClient) -> String {
-        worker.peer().info["weights_address"]
-            .as_str()
-            .unwrap_or_default()
-            .to_owned()
-    }
-
-    pub async fn shutdown(&self, reason: &str) {
-        for worker in &self.workers {
-            let _ = send::<_, Done>(
-                worker,
-                &Shutdown {
-                    reason: reason.into(),
-                },
-            )
-            .await;
-        }
-    }
-
-    fn tokenizer(&self) -> Result<&RpcClient, RoleError> {
-        self.workers
-            .first()
-            .ok_or_else(|| RoleError::Protocol("no generation worker".into()))
-    }
-}
-
-impl Generator for RemoteWorkers {
-    fn generate(&self, request: GenerateRequest) -> RoleFuture<'_, GenerateResponse> {
-        let count = self.workers.len().max(1);
-        let mut shares: Vec<(Vec<usize>, GenerateRequest)> = (0..count)
-            .map(|_| {
-                (
-                    Vec::new(),
-                    GenerateRequest {
-                        prompts: Vec::new(),
-                        sampling: request.sampling.clone(),
-                    },
-                )
-            })
-            .collect();
-        let total = request.prompts.len();
-        for (index, prompt) in request.prompts.into_iter().enumerate() {
-            let (positions, share) = &mut shares[index % count];
-            positions.push(index);
-            share.prompts.push(prompt);
-        }
-        let calls: Vec<_> = shares
-            .into_iter()
-            .zip(&self.workers)
-            .filter(|((positions, _), _)| !positions.is_empty())
-            .map(|((positions, share), worker)| {
-                (positions, send::<_, GenerateResponse>(worker, &share))
-            })
-            .collect();
-        Box::pin(async move {
-            let mut groups = vec![Vec::new(); total];
-            let mut parts = Vec::new();
-            for (positions, call) in calls {
-                let response = call.await?;
-                if response.groups.len() != positions.len() {
-                    return Err(RoleError::Protocol(format!(
-                        "a generation worker answered {} groups for {} prompts",
-                        response.groups.len(),
-                        positions.len()
-                    )));
-                }
-                for (position, group) in positions.into_iter().zip(response.groups) {
-                    groups[position] = group;
-                }
-                parts.push(response.metrics);
-            }
-            Ok(GenerateResponse {
-                groups,
-                metrics: crate::generation::merge_metrics(&parts),
-            })
-        })
-    }
-
-    fn load_weights(&self, weights: WeightsReport) -> RoleFuture<'_, Vec<WeightsReport>> {
-        let mut source = weights.source.clone();
-        let calls: Vec<_> = self
-            .workers
-            .iter()
-            .map(|worker| {
-                let request = SyncWeights {
-                    weights: WeightsReport {
-                        source: std::mem::replace(&mut source, Self::weights_address(worker)),
-                        ..weights.clone()
-                    },
-                };
-                (
-                    worker.describe().to_owned(),
-                    send::<_, WeightsReport>(worker, &request),
-                )
-            })
-            .collect();
-        Box::pin(async move {
-            let mut reports = Vec::with_capacity(calls.len());
-            for (name, call) in calls {
-                let report = call.await?;
-                if report.version != weights.version || report.checksum != weights.checksum {
-                    return Err(RoleError::Protocol(format!(
-                        "{name} serves weight version {} with checksum {}, but version {} with \
-                         checksum {} was published",
-                        report.version, report.checksum, weights.version, weights.checksum
-                    )));
-                }
-                reports.push(report);
-            }
-            Ok(reports)
-        })
-    }
-}
-
-impl Tokenizer for RemoteWorkers {
-    fn encode(&self, texts: Vec<String>, continuation: bool) -> RoleFuture<'_, Vec<Vec<u32>>> {
-        let request = TokenizerRequest::Encode {
-            texts,
-            continuation,
-        };
-        let call = self.tokenizer().map(|worker| send(worker, &request));
-        Box::pin(async move {
-            match call?.await? {
-                TokenizerResponse::Ids { ids } => Ok(ids),
-                other => Err(RoleError::Protocol(format!(
-                    "asked to encode, the worker answered {other:?}"
-                ))),
-            }
-        })
-    }
-
-    fn decode(&self, sequences: Vec<Vec<u32>>) -> RoleFuture<'_, Vec<String>> {
-        let call = self
-            .tokenizer()
-            .map(|worker| send(worker, &TokenizerRequest::Decode { sequences }));
-        Box::pin(async move {
-            match call?.await? {
-                TokenizerResponse::Texts { texts } => Ok(texts),
-                other => Err(RoleError::Protocol(format!(
-                    "asked to decode, the worker answered {other:?}"
-                ))),
-            }
-        })
-    }
-
-    fn eos_token_ids(&self) -> RoleFuture<'_, Vec<u32>> {
-        let call = self
-            .tokenizer()
-            .map(|worker| send(worker, &TokenizerRequest::EosTokenIds));
-        Box::pin(async move {
-            match call?.await? {
-                TokenizerResponse::Ids { mut ids } if ids.len() == 1 => Ok(ids.remove(0)),
-                other => Err(RoleError::Protocol(format!(
-                    "asked for end-of-sequence ids, the worker answered {other:?}"
-                ))),
-            }
-        })
-    }
-}
-
 /// Data-parallel trainer ranks, `ranks[r]` being rank `r`.
 pub struct RemoteTrainers {
     ranks: Vec<RpcClient>,
@@ -225,15 +54,19 @@ impl RemoteTrainers {
         Self { ranks }
     }
 
+    /// Shuts every rank down at once: ranks leave their process group together, at a
+    /// barrier, so none may wait for another's shutdown.
     pub async fn shutdown(&self, reason: &str) {
-        for rank in &self.ranks {
-            let _ = send::<_, Done>(
-                rank,
-                &Shutdown {
-                    reason: reason.into(),
-                },
-            )
-            .await;
+        let shutdown = Shutdown {
+            reason: reason.into(),
+        };
+        let answers: Vec<_> = self
+            .ranks
+            .iter()
+            .map(|rank| send::<_, Done>(rank, &shutdown))
+            .collect();
+        for answer in answers {
+            let _ = answer.await;
         }
     }
 

@@ -1,6 +1,6 @@
-//! The role processes: `rollout worker` (generation and tokenizer) and `rollout trainer`
-//! (one data-parallel rank). Each connects to the controller, receives the run's config,
-//! loads the policy and answers requests until the controller shuts it down.
+//! The role processes: `rollout trainer` (one data-parallel rank) and what it shares with
+//! `rollout worker` ([`super::worker`]): connecting to the controller, receiving the run's
+//! config, loading the policy and answering requests until the controller shuts it down.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -9,19 +9,18 @@ use std::time::Duration;
 use bytes::Bytes;
 use rollout_net::link::{Link, LinkLimits};
 use rollout_net::messages::{
-    CheckpointRequest, Done, GenerateRequest, Hello, Message, MessageKind, PublishWeights,
-    SyncWeights, TokenizerRequest, TokenizerResponse, TrainRequest, WeightsReport, Welcome,
+    CheckpointRequest, Done, Hello, Message, MessageKind, PublishWeights, TrainRequest,
+    WeightsReport, Welcome,
 };
 use rollout_net::rpc::{Incoming, Responder, RpcServer};
 use rollout_net::{ClusterKey, NetError};
-use tokio::sync::mpsc;
 
 use super::ClusterError;
 use super::weights::{VersionBuffer, WeightStore};
 use crate::config::{LoadedConfig, load_text};
 use crate::local::PolicyHost;
 use crate::python::{PythonSetup, PythonWorker};
-use crate::roles::{Generator, Learner, RoleError, Tokenizer};
+use crate::roles::{Learner, RoleError};
 
 /// How a role process finds the controller and itself.
 #[derive(Debug, Clone)]
@@ -43,7 +42,7 @@ pub struct RoleArgs {
 /// The `host:port` other processes reach this process's weight server at: the listening
 /// address, or, when it listens on every interface, the local address of the route to the
 /// controller (found without sending anything).
-fn advertised(
+pub(super) fn advertised(
     listener: &tokio::net::TcpListener,
     controller: &str,
 ) -> Result<String, ClusterError> {
@@ -61,9 +60,9 @@ fn advertised(
 }
 
 /// How long a weight server waits for a version or bucket it was asked for.
-const WEIGHT_WAIT: Duration = Duration::from_secs(600);
+pub(super) const WEIGHT_WAIT: Duration = Duration::from_secs(600);
 
-fn hello(role: &str, args: &RoleArgs, info: serde_json::Value) -> Hello {
+pub(super) fn hello(role: &str, args: &RoleArgs, info: serde_json::Value) -> Hello {
     Hello {
         role: role.into(),
         name: args.name.clone(),
@@ -73,11 +72,11 @@ fn hello(role: &str, args: &RoleArgs, info: serde_json::Value) -> Hello {
     }
 }
 
-fn bad_request(incoming: &Incoming, err: impl std::fmt::Display) -> ClusterError {
+pub(super) fn bad_request(incoming: &Incoming, err: impl std::fmt::Display) -> ClusterError {
     ClusterError::Protocol(format!("a bad {} request: {err}", incoming.frame.kind))
 }
 
-fn answer<M: Message>(responder: &Responder, call: u64, result: Result<M, RoleError>) {
+pub(super) fn answer<M: Message>(responder: &Responder, call: u64, result: Result<M, RoleError>) {
     let sent = match result {
         Ok(message) => responder.reply(call, &message, Bytes::new(), false),
         Err(err) => responder.fail(call, err.to_string()),
@@ -108,12 +107,32 @@ async fn connect_with_retry(args: &RoleArgs, hello: &Hello) -> Result<Link, Clus
     }
 }
 
-/// Connects, waits for the controller's `Welcome` and loads the policy from its config.
-async fn join(
+/// A connection to the controller that has received the run's config (`Welcome`) and has
+/// yet to answer it.
+pub(super) struct Welcomed {
+    pub server: RpcServer,
+    pub call: u64,
+    pub config_toml: String,
+    pub loaded: LoadedConfig,
+}
+
+impl Welcomed {
+    /// Answers the welcome: loaded and ready, or why not.
+    pub fn answer(&self, loaded: Result<(), &ClusterError>) {
+        let answered = match loaded {
+            Ok(()) => Ok(Done {}),
+            Err(err) => Err(RoleError::Runtime(err.to_string())),
+        };
+        answer(&self.server.responder, self.call, answered);
+    }
+}
+
+/// Connects (retrying while nothing listens) and waits for the controller's `Welcome`.
+pub(super) async fn welcome(
     role: &str,
     args: &RoleArgs,
     info: serde_json::Value,
-) -> Result<(RpcServer, LoadedConfig, Arc<PolicyHost>), ClusterError> {
+) -> Result<Welcomed, ClusterError> {
     let link = connect_with_retry(args, &hello(role, args, info)).await?;
     tracing::info!(
         "{role} `{}` connected to the controller at {}",
@@ -129,30 +148,41 @@ async fn join(
     let welcome: Welcome = incoming
         .decode()
         .map_err(|err| bad_request(&incoming, err))?;
-    let loaded = match load_text(
-        Path::new("<config from the controller>"),
-        welcome.config_toml,
-        &[],
-    ) {
-        Ok(loaded) => loaded,
+    let path = Path::new("<config from the controller>");
+    match load_text(path, welcome.config_toml.clone(), &[]) {
+        Ok(loaded) => Ok(Welcomed {
+            server,
+            call: incoming.call,
+            config_toml: welcome.config_toml,
+            loaded,
+        }),
         Err(err) => {
             let _ = server.responder.fail(incoming.call, err.to_string());
-            return Err(err.into());
+            Err(err.into())
         }
-    };
-    match load_policy(&loaded).await {
+    }
+}
+
+/// Connects, waits for the controller's `Welcome` and loads the policy from its config.
+async fn join(
+    role: &str,
+    args: &RoleArgs,
+    info: serde_json::Value,
+) -> Result<(RpcServer, LoadedConfig, Arc<PolicyHost>), ClusterError> {
+    let welcomed = welcome(role, args, info).await?;
+    match load_policy(&welcomed.loaded).await {
         Ok(host) => {
-            answer(&server.responder, incoming.call, Ok(Done {}));
-            Ok((server, loaded, Arc::new(host)))
+            welcomed.answer(Ok(()));
+            Ok((welcomed.server, welcomed.loaded, Arc::new(host)))
         }
         Err(err) => {
-            let _ = server.responder.fail(incoming.call, err.to_string());
+            welcomed.answer(Err(&err));
             Err(err)
         }
     }
 }
 
-async fn load_policy(loaded: &LoadedConfig) -> Result<PolicyHost, ClusterError> {
+pub(super) async fn load_policy(loaded: &LoadedConfig) -> Result<PolicyHost, ClusterError> {
     let python = &loaded.config.python;
     let setup = PythonSetup::discover(python.venv.as_deref(), &python.paths)?;
     let worker = tokio::task::spawn_blocking(move || PythonWorker::start(setup))
@@ -161,150 +191,6 @@ async fn load_policy(loaded: &LoadedConfig) -> Result<PolicyHost, ClusterError> 
             ClusterError::Protocol(format!("the Python start-up task failed: {err}"))
         })??;
     Ok(PolicyHost::load(Arc::new(worker), loaded).await?)
-}
-
-/// Work a generation worker does strictly in arrival order: generation, and swapping in
-/// weight versions between generations.
-enum Ordered {
-    Generate(u64, GenerateRequest),
-    Swap(
-        u64,
-        tokio::task::JoinHandle<Result<Arc<VersionBuffer>, ClusterError>>,
-        WeightsReport,
-    ),
-}
-
-/// `rollout worker`: serves generation and tokenization until shut down.
-pub async fn run_worker(args: RoleArgs) -> Result<(), ClusterError> {
-    let listener = rollout_net::link::listen(&args.listen).await?;
-    let weights_address = advertised(&listener, &args.connect)?;
-    let info = serde_json::json!({ "weights_address": weights_address });
-    let (mut server, _loaded, host) = join("worker", &args, info.clone()).await?;
-    let store = WeightStore::default();
-    store.serve(
-        listener,
-        args.key.clone(),
-        hello("worker", &args, info),
-        args.limits.clone(),
-        WEIGHT_WAIT,
-    );
-    let (ordered, mut queue) = mpsc::unbounded_channel::<Ordered>();
-    let executor_host = host.clone();
-    let responder = server.responder.clone();
-    let name = args.name.clone();
-    let executor = tokio::spawn(async move {
-        while let Some(job) = queue.recv().await {
-            match job {
-                Ordered::Generate(call, request) => {
-                    answer(&responder, call, executor_host.generate(request).await);
-                }
-                Ordered::Swap(call, pulled, report) => {
-                    let swapped = swap_in(&executor_host, pulled, report, &name).await;
-                    answer(&responder, call, swapped);
-                }
-            }
-        }
-    });
-    let result = loop {
-        let Some(incoming) = server.requests.recv().await else {
-            break Err(ClusterError::ControllerLost(server.closed_reason()));
-        };
-        let call = incoming.call;
-        match incoming.frame.kind {
-            MessageKind::GenerateRequest => {
-                let request = incoming
-                    .decode()
-                    .map_err(|err| bad_request(&incoming, err))?;
-                let _ = ordered.send(Ordered::Generate(call, request));
-            }
-            MessageKind::SyncWeights => {
-                let SyncWeights { weights } = incoming
-                    .decode()
-                    .map_err(|err| bad_request(&incoming, err))?;
-                // The pull starts at once, while earlier generations still run.
-                let (store, key, report) = (store.clone(), args.key.clone(), weights.clone());
-                let source_hello = hello("worker", &args, serde_json::Value::Null);
-                let limits = args.limits.clone();
-                let pulled = tokio::spawn(async move {
-                    let source = Link::connect(&report.source, &key, &source_hello, &limits)
-                        .await?
-                        .client();
-                    Ok(store.pull(&source, &report).await?)
-                });
-                let _ = ordered.send(Ordered::Swap(call, pulled, weights));
-            }
-            MessageKind::TokenizerRequest => {
-                let request: TokenizerRequest = incoming
-                    .decode()
-                    .map_err(|err| bad_request(&incoming, err))?;
-                let (host, responder) = (host.clone(), server.responder.clone());
-                tokio::spawn(async move {
-                    answer(&responder, call, tokenize(&host, request).await);
-                });
-            }
-            MessageKind::Shutdown => {
-                answer(&server.responder, call, Ok(Done {}));
-                break Ok(());
-            }
-            other => {
-                let _ = server
-                    .responder
-                    .fail(call, format!("a generation worker does not serve {other}"));
-            }
-        }
-    };
-    drop(ordered);
-    let _ = executor.await;
-    result
-}
-
-async fn swap_in(
-    host: &PolicyHost,
-    pulled: tokio::task::JoinHandle<Result<Arc<VersionBuffer>, ClusterError>>,
-    report: WeightsReport,
-    name: &str,
-) -> Result<WeightsReport, RoleError> {
-    let started = std::time::Instant::now();
-    let buffer = pulled
-        .await
-        .map_err(|err| RoleError::Runtime(format!("the weight pull failed: {err}")))?
-        .map_err(|err| RoleError::Protocol(err.to_string()))?;
-    let tensors = buffer
-        .tensors()
-        .map_err(|err| RoleError::Protocol(err.to_string()))?;
-    host.import_weights(report.version, Arc::new(tensors))
-        .await?;
-    tracing::debug!(
-        "serving weight version {} ({} bytes, {:.3} s after the request)",
-        report.version,
-        buffer.bytes(),
-        started.elapsed().as_secs_f64()
-    );
-    Ok(WeightsReport {
-        holder: name.to_owned(),
-        bytes: buffer.bytes(),
-        ..report
-    })
-}
-
-async fn tokenize(
-    host: &PolicyHost,
-    request: TokenizerRequest,
-) -> Result<TokenizerResponse, RoleError> {
-    Ok(match request {
-        TokenizerRequest::Encode {
-            texts,
-            continuation,
-        } => TokenizerResponse::Ids {
-            ids: host.encode(texts, continuation).await?,
-        },
-        TokenizerRequest::Decode { sequences } => TokenizerResponse::Texts {
-            texts: host.decode(sequences).await?,
-        },
-        TokenizerRequest::EosTokenIds => TokenizerResponse::Ids {
-            ids: vec![host.eos_token_ids().await?],
-        },
-    })
 }
 
 /// `rollout trainer`: one data-parallel rank, answering in order until shut down.

@@ -36,6 +36,9 @@ pub struct Config {
     /// ignores it.
     #[serde(default)]
     pub cluster: ClusterConfig,
+    /// Reward plugins in separate, limited processes (0 processes: in this process).
+    #[serde(default)]
+    pub sandbox: SandboxConfig,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
@@ -353,8 +356,20 @@ pub struct ClusterConfig {
     pub heartbeat_seconds: f64,
     /// A peer silent for this many seconds is lost.
     pub peer_timeout_seconds: f64,
-    /// Seconds the controller waits for every role to connect and load.
+    /// Seconds the controller waits for every role to connect and load (and, mid-run, for
+    /// a generation worker when none is left).
     pub join_timeout_seconds: f64,
+    /// A generation worker holding a prompt group this long without answering is treated
+    /// as lost and the group is leased to another.
+    pub lease_timeout_seconds: f64,
+    /// Leases per prompt group before it is dropped from its step.
+    pub max_attempts: u32,
+    /// `rollout launch` starts a generation worker that died again, up to this many times
+    /// per worker.
+    pub max_worker_restarts: u32,
+    /// `rollout launch` restarts every role from the last checkpoint when a trainer rank
+    /// is lost, up to this many times per run.
+    pub max_run_restarts: u32,
     /// Bytes per weight-sync bucket.
     pub weight_bucket_bytes: u64,
     /// torch.distributed backend of the trainers: "gloo", "nccl", or "auto" (NCCL when CUDA
@@ -384,12 +399,52 @@ impl Default for ClusterConfig {
             heartbeat_seconds: 2.0,
             peer_timeout_seconds: 60.0,
             join_timeout_seconds: 300.0,
+            lease_timeout_seconds: 600.0,
+            max_attempts: 3,
+            max_worker_restarts: 100,
+            max_run_restarts: 3,
             weight_bucket_bytes: 8 << 20,
             backend: "auto".into(),
             gradient_compression: GradientCompression::None,
             powersgd_rank: 4,
             powersgd_warmup_updates: 10,
             tls: false,
+        }
+    }
+}
+
+/// Reward isolation: `[[rewards]]` scored in a pool of worker processes, one sample per call,
+/// so a reward that raises, hangs, crashes or runs out of memory costs a sample, not the run.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SandboxConfig {
+    /// Worker processes scoring rewards; 0 scores in the embedded interpreter (a reward
+    /// that raises then ends the run).
+    pub processes: usize,
+    /// Wall-clock seconds one sample's scoring (every reward) may take.
+    pub timeout_seconds: f64,
+    /// Seconds a worker may take to start and load the reward plugins.
+    pub start_timeout_seconds: f64,
+    /// Address-space limit of each worker process in MiB (RLIMIT_AS); 0 is unlimited.
+    pub memory_mb: u64,
+    /// CPU seconds one sample's scoring may use (RLIMIT_CPU); 0 is unlimited.
+    pub cpu_seconds: u64,
+    /// The run ends when more than this fraction of all samples scored so far failed.
+    pub max_failed_fraction: f64,
+    /// The run ends when more than this fraction of one step's samples failed.
+    pub max_failed_fraction_per_step: f64,
+}
+
+impl Default for SandboxConfig {
+    fn default() -> Self {
+        Self {
+            processes: 0,
+            timeout_seconds: 60.0,
+            start_timeout_seconds: 120.0,
+            memory_mb: 0,
+            cpu_seconds: 0,
+            max_failed_fraction: 0.25,
+            max_failed_fraction_per_step: 0.5,
         }
     }
 }

@@ -117,6 +117,16 @@ pub fn validate(loaded: &LoadedConfig) -> Result<(), ConfigError> {
         "must be > 0",
     )?;
     check(
+        cluster.lease_timeout_seconds.is_finite() && cluster.lease_timeout_seconds > 0.0,
+        "cluster.lease_timeout_seconds",
+        "must be > 0",
+    )?;
+    check(
+        cluster.max_attempts >= 1,
+        "cluster.max_attempts",
+        "must be at least 1",
+    )?;
+    check(
         cluster.weight_bucket_bytes >= 1024,
         "cluster.weight_bucket_bytes",
         "must be at least 1024",
@@ -135,6 +145,22 @@ pub fn validate(loaded: &LoadedConfig) -> Result<(), ConfigError> {
         ["auto", "gloo", "nccl"].contains(&cluster.backend.as_str()),
         "cluster.backend",
         "must be \"auto\", \"gloo\" or \"nccl\"",
+    )?;
+    let sandbox = &config.sandbox;
+    check(
+        sandbox.timeout_seconds.is_finite() && sandbox.timeout_seconds > 0.0,
+        "sandbox.timeout_seconds",
+        "must be > 0",
+    )?;
+    check(
+        sandbox.start_timeout_seconds.is_finite() && sandbox.start_timeout_seconds > 0.0,
+        "sandbox.start_timeout_seconds",
+        "must be > 0",
+    )?;
+    check(
+        (0.0..=1.0).contains(&sandbox.max_failed_fraction),
+        "sandbox.max_failed_fraction",
+        "must be in [0, 1]",
     )?;
     if config.rewards.is_empty() && config.environment.is_none() {
         return Err(loaded.error_at(

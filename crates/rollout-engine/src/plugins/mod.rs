@@ -8,6 +8,7 @@ mod environment;
 mod policy;
 mod policy_weights;
 mod reward;
+mod sandboxed;
 
 use std::fmt;
 use std::sync::Arc;
@@ -23,6 +24,7 @@ pub use data::{DataPlugins, Record};
 pub use environment::{EnvironmentPlugin, Episode, StepOutcome};
 pub use policy::{KvLayout, PolicyPlugin};
 pub use reward::RewardSet;
+pub use sandboxed::{pool_spec, sandbox_launch, sandbox_load_error};
 
 /// Why a plugin hook failed: it raised, or it returned something that breaks the contract.
 #[derive(Debug)]

@@ -59,7 +59,11 @@ impl RewardSet {
         let mut totals = vec![0.0; count];
         let mut components = Vec::with_capacity(self.rewards.len());
         if self.rewards.is_empty() {
-            return Ok(ScoreResponse { totals, components });
+            return Ok(ScoreResponse {
+                totals,
+                components,
+                failed: Vec::new(),
+            });
         }
         let samples = self.samples(py, request).map_err(|err| {
             // Building `Sample`s only fails if the SDK itself is broken; blame the first reward.
@@ -94,7 +98,11 @@ impl RewardSet {
                 scores,
             });
         }
-        Ok(ScoreResponse { totals, components })
+        Ok(ScoreResponse {
+            totals,
+            components,
+            failed: Vec::new(),
+        })
     }
 
     fn samples<'py>(

@@ -36,10 +36,72 @@ pub fn group_advantages(rewards: &[f64], estimator: AdvantageEstimator, std_eps:
     }
 }
 
+/// Advantages of a step's samples (`groups[i]` is sample `i`'s group, of `group_count`) over
+/// the samples that were scored: a sample whose reward failed (`scored[i]` false) is left out
+/// of its group's mean and standard deviation and gets advantage 0, so it neither trains
+/// (with no KL term) nor shifts its neighbours. Also returns how many groups have no reward
+/// spread among their scored samples.
+pub fn scored_group_advantages(
+    groups: &[usize],
+    rewards: &[f64],
+    scored: &[bool],
+    group_count: usize,
+    estimator: AdvantageEstimator,
+    std_eps: f64,
+) -> (Vec<f64>, usize) {
+    let mut advantages = vec![0.0; groups.len()];
+    let mut zero_std_groups = 0;
+    for group in 0..group_count {
+        let members: Vec<usize> = (0..groups.len())
+            .filter(|&i| groups[i] == group && scored[i])
+            .collect();
+        let group_rewards: Vec<f64> = members.iter().map(|&i| rewards[i]).collect();
+        if group_rewards.windows(2).all(|w| w[0] == w[1]) {
+            zero_std_groups += 1;
+        }
+        let computed = group_advantages(&group_rewards, estimator, std_eps);
+        for (&i, advantage) in members.iter().zip(computed) {
+            advantages[i] = advantage;
+        }
+    }
+    (advantages, zero_std_groups)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn failed_samples_get_zero_and_leave_their_group_alone() {
+        let groups = [0, 0, 0, 1, 1];
+        let rewards = [1.0, 0.0, 100.0, 0.5, 0.5];
+        let scored = [true, true, false, true, true];
+        let (got, zero_std) = scored_group_advantages(
+            &groups,
+            &rewards,
+            &scored,
+            2,
+            AdvantageEstimator::GroupMean,
+            0.0,
+        );
+        // Group 0 is {1.0, 0.0} as if the failed sample's 100.0 never existed.
+        assert!(close(&got, &[0.5, -0.5, 0.0, 0.0, 0.0]), "{got:?}");
+        assert_eq!(zero_std, 1);
+        let all_scored = [true; 5];
+        let (with_it, _) = scored_group_advantages(
+            &groups,
+            &rewards,
+            &all_scored,
+            2,
+            AdvantageEstimator::GroupMean,
+            0.0,
+        );
+        assert!(
+            with_it[0] < 0.0,
+            "the outlier would have pulled the mean: {with_it:?}"
+        );
+    }
 
     fn close(a: &[f64], b: &[f64]) -> bool {
         a.len() == b.len() && a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-9)

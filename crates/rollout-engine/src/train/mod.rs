@@ -184,6 +184,9 @@ impl<'a> Controller<'a> {
         } else {
             None
         };
+        if resumed {
+            self.roles.generator.resumed_from(self.state.step).await?;
+        }
         self.sampler.prepare(usize::MAX).await?;
         tracing::info!(
             "run `{}`: {} RL steps from step {}, output in {}",
@@ -234,7 +237,7 @@ impl<'a> Controller<'a> {
                 let seed = mix(self.config.run.seed, 1000 + next_step);
                 let (sampler, step) = (&sampler, next_step);
                 pipeline.start(async move {
-                    let collected = sampler.collect(&records, seed).await;
+                    let collected = sampler.collect(step, &records, seed).await;
                     StepSamples {
                         step,
                         epoch: position.epoch,
@@ -250,7 +253,9 @@ impl<'a> Controller<'a> {
             let step = sampled.step;
             let (mut line, logged) = self.rl_step(sampled, &mut pipeline, last_step_end).await?;
             last_step_end = Instant::now();
+            let pool = self.roles.generator.step_trained(step).await?;
             if let Some(fields) = line.as_object_mut() {
+                fields.extend(pool.into_iter().map(|(name, value)| (name, json!(value))));
                 fields.insert(
                     "elapsed_seconds".into(),
                     json!(started.elapsed().as_secs_f64()),
@@ -341,6 +346,7 @@ impl<'a> Controller<'a> {
             "sft_metrics.jsonl",
             "samples.jsonl",
             "summary.json",
+            "ledger.jsonl",
         ]
         .into_iter()
         .filter(|name| {
@@ -426,7 +432,7 @@ impl<'a> Controller<'a> {
         self.sampler.prepare(1).await?;
         let collected = self
             .sampler
-            .collect(&[0], mix(self.config.run.seed, 999))
+            .collect(0, &[0], mix(self.config.run.seed, 999))
             .await?;
         let generated_tokens = collected
             .trajectories
@@ -451,7 +457,7 @@ impl<'a> Controller<'a> {
         let started = Instant::now();
         let request = self
             .sampler
-            .generate_request(&records, mix(self.config.run.seed, 998));
+            .generate_request(0, &records, mix(self.config.run.seed, 998));
         let response = self.roles.generator.generate(request).await?;
         let seconds = started.elapsed().as_secs_f64();
         let flat: Vec<Vec<u32>> = response

@@ -6,11 +6,13 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use rollout_net::messages::{
-    FinishReason, GenerateRequest, PromptRequest, SamplingParams, ScoreRequest, ScoreSample,
+    FinishReason, GenerateRequest, GroupRef, PromptRequest, SamplingParams, ScoreRequest,
+    ScoreSample,
 };
 use serde_json::Value;
 
-use super::{Roles, RunError, group_advantages, mix};
+use super::advantage::scored_group_advantages;
+use super::{Roles, RunError, mix};
 use crate::config::Config;
 use crate::generation::merge_metrics;
 use crate::plugins::Record;
@@ -25,6 +27,8 @@ pub(super) struct Collected {
     pub rewards: Vec<f64>,
     pub components: Vec<rollout_net::messages::RewardComponent>,
     pub advantages: Vec<f64>,
+    /// Per sample: why its reward could not be computed (then its advantage is 0).
+    pub failures: Vec<Option<rollout_net::messages::ScoreFailure>>,
     pub zero_std_groups: usize,
     pub generate_seconds: f64,
     pub score_seconds: f64,
@@ -99,16 +103,17 @@ impl<'a> Sampler<'a> {
         }
     }
 
-    /// Generates, scores and computes advantages for `records` (one group each).
+    /// Generates, scores and computes advantages for `records` (one group each) of `step`.
     pub(super) async fn collect(
         &self,
+        step: u64,
         records: &[usize],
         seed: u64,
     ) -> Result<Collected, RunError> {
         let started = Instant::now();
         let (trajectories, generator_metrics) = match self.roles.environments {
-            Some(environments) => self.run_episodes(environments, records, seed).await?,
-            None => self.sample_completions(records, seed).await?,
+            Some(environments) => self.run_episodes(environments, step, records, seed).await?,
+            None => self.sample_completions(step, records, seed).await?,
         };
         let generate_seconds = started.elapsed().as_secs_f64();
 
@@ -141,31 +146,30 @@ impl<'a> Sampler<'a> {
             .collect();
         let score_seconds = scoring.elapsed().as_secs_f64();
 
-        let algorithm = &self.config.algorithm;
-        let mut advantages = vec![0.0; trajectories.len()];
-        let mut zero_std_groups = 0;
-        for group in 0..records.len() {
-            let members: Vec<usize> = (0..trajectories.len())
-                .filter(|&i| trajectories[i].group == group)
-                .collect();
-            let group_rewards: Vec<f64> = members.iter().map(|&i| rewards[i]).collect();
-            if group_rewards.windows(2).all(|w| w[0] == w[1]) {
-                zero_std_groups += 1;
-            }
-            for (&i, advantage) in members.iter().zip(group_advantages(
-                &group_rewards,
-                algorithm.advantage,
-                algorithm.std_eps,
-            )) {
-                advantages[i] = advantage;
+        let mut failures = vec![None; trajectories.len()];
+        for failure in scores.failed {
+            if let Some(slot) = failures.get_mut(failure.index) {
+                *slot = Some(failure);
             }
         }
+        let groups: Vec<usize> = trajectories.iter().map(|t| t.group).collect();
+        let scored: Vec<bool> = failures.iter().map(Option::is_none).collect();
+        let algorithm = &self.config.algorithm;
+        let (advantages, zero_std_groups) = scored_group_advantages(
+            &groups,
+            &rewards,
+            &scored,
+            records.len(),
+            algorithm.advantage,
+            algorithm.std_eps,
+        );
         Ok(Collected {
             trajectories,
             completions,
             rewards,
             components: scores.components,
             advantages,
+            failures,
             zero_std_groups,
             generate_seconds,
             score_seconds,
@@ -206,8 +210,13 @@ impl<'a> Sampler<'a> {
             .collect()
     }
 
-    /// One request completing each of `records` `group_size` times.
-    pub(super) fn generate_request(&self, records: &[usize], seed: u64) -> GenerateRequest {
+    /// One request completing each of `records` `group_size` times, as groups of `step`.
+    pub(super) fn generate_request(
+        &self,
+        step: u64,
+        records: &[usize],
+        seed: u64,
+    ) -> GenerateRequest {
         GenerateRequest {
             prompts: records
                 .iter()
@@ -217,6 +226,10 @@ impl<'a> Sampler<'a> {
                     n: self.config.rollout.group_size as u32,
                     max_new_tokens: self.budgets.get(record).cloned().unwrap_or_default(),
                     seed: Some(mix(seed, group as u64)),
+                    group: Some(GroupRef {
+                        step,
+                        index: group as u32,
+                    }),
                 })
                 .collect(),
             sampling: self.sampling(seed),
@@ -226,11 +239,12 @@ impl<'a> Sampler<'a> {
     /// Single-turn: every prompt is completed `group_size` times in one generation call.
     pub(super) async fn sample_completions(
         &self,
+        step: u64,
         records: &[usize],
         seed: u64,
     ) -> Result<(Vec<Trajectory>, GeneratorMetrics), RunError> {
         let group_size = self.config.rollout.group_size;
-        let request = self.generate_request(records, seed);
+        let request = self.generate_request(step, records, seed);
         let response = self.roles.generator.generate(request).await?;
         let metrics = response.metrics;
         let mut trajectories = Vec::with_capacity(records.len() * group_size);
@@ -260,10 +274,12 @@ impl<'a> Sampler<'a> {
 
     /// Multi-turn: each group plays `group_size` episodes seeded alike; turns of all live
     /// episodes are generated together. Observations are appended as context tokens (not
-    /// trained on); generated tokens are kept exactly as sampled.
+    /// trained on); generated tokens are kept exactly as sampled. In the ledger, each turn
+    /// of each episode is a unit of its own.
     pub(super) async fn run_episodes(
         &self,
         environments: &dyn Environments,
+        step: u64,
         records: &[usize],
         seed: u64,
     ) -> Result<(Vec<Trajectory>, GeneratorMetrics), RunError> {
@@ -326,6 +342,10 @@ impl<'a> Sampler<'a> {
                                 .map(|&budget| vec![budget])
                                 .unwrap_or_default(),
                             seed: Some(mix(turn_seed, i as u64)),
+                            group: Some(GroupRef {
+                                step,
+                                index: (turn as usize * trajectories.len() + i) as u32,
+                            }),
                         })
                         .collect(),
                     sampling: self.sampling(turn_seed),

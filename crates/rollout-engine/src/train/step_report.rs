@@ -1,6 +1,8 @@
 //! One RL step's metrics line (`metrics.jsonl`) and logged samples (`samples.jsonl`).
 
-use rollout_net::messages::{FinishReason, TrainResponse};
+use rollout_net::messages::{
+    FailureReason, FinishReason, RewardComponent, ScoreFailure, TrainResponse,
+};
 use serde_json::{Map, Value, json};
 
 use super::sampler::{Collected, Sampler, Trajectory};
@@ -47,6 +49,7 @@ impl StepReport {
             rewards,
             components,
             advantages,
+            failures,
             zero_std_groups,
             generate_seconds,
             score_seconds,
@@ -65,14 +68,7 @@ impl StepReport {
         let count = trajectories.len().max(1) as f64;
         let mut line = Map::new();
         line.insert("step".into(), json!(step));
-        line.insert("reward_mean".into(), json!(mean(&rewards)));
-        line.insert("reward_std".into(), json!(std_dev(&rewards)));
-        for component in &components {
-            line.insert(
-                format!("reward/{}", component.name),
-                json!(mean(&component.scores)),
-            );
-        }
+        insert_rewards(&mut line, &rewards, &components, &failures);
         if has_environment {
             let returns: Vec<f64> = trajectories.iter().map(|t| t.env_return).collect();
             line.insert("env_return_mean".into(), json!(mean(&returns)));
@@ -151,23 +147,59 @@ impl StepReport {
             .iter()
             .zip(completions)
             .take(log_samples)
-            .zip(rewards.iter().zip(&advantages))
-            .map(|((trajectory, completion), (reward, advantage))| {
-                json!({
-                    "step": step,
-                    "group": trajectory.group,
-                    "prompt": trajectory.prompt(&sampler.records),
-                    "completion": completion,
-                    "reward": reward,
-                    "advantage": advantage,
-                    "finish_reason": trajectory.finish_reason,
-                    "weight_version": trajectory.weight_version,
-                    "trained_at_version": trained_version,
-                    "tokens": trajectory.tokens,
-                    "generated": trajectory.loss_mask,
-                })
-            })
+            .zip(rewards.iter().zip(&advantages).zip(&failures))
+            .map(
+                |((trajectory, completion), ((reward, advantage), failure))| {
+                    json!({
+                        "step": step,
+                        "group": trajectory.group,
+                        "prompt": trajectory.prompt(&sampler.records),
+                        "completion": completion,
+                        "reward": if failure.is_some() { None } else { Some(reward) },
+                        "advantage": advantage,
+                        "failed": failure,
+                        "finish_reason": trajectory.finish_reason,
+                        "weight_version": trajectory.weight_version,
+                        "trained_at_version": trained_version,
+                        "tokens": trajectory.tokens,
+                        "generated": trajectory.loss_mask,
+                    })
+                },
+            )
             .collect();
         (Value::Object(line), logged)
+    }
+}
+
+/// `reward_mean`, `reward_std` and `reward/<name>` over the samples that were scored, and
+/// `reward_failed` with one `reward_failed_<reason>` count per reason.
+fn insert_rewards(
+    line: &mut Map<String, Value>,
+    rewards: &[f64],
+    components: &[RewardComponent],
+    failures: &[Option<ScoreFailure>],
+) {
+    let scored = |values: &[f64]| -> Vec<f64> {
+        values
+            .iter()
+            .zip(failures)
+            .filter(|(_, failure)| failure.is_none())
+            .map(|(value, _)| *value)
+            .collect()
+    };
+    let scored_rewards = scored(rewards);
+    line.insert("reward_mean".into(), json!(mean(&scored_rewards)));
+    line.insert("reward_std".into(), json!(std_dev(&scored_rewards)));
+    for component in components {
+        line.insert(
+            format!("reward/{}", component.name),
+            json!(mean(&scored(&component.scores))),
+        );
+    }
+    let failed: Vec<&ScoreFailure> = failures.iter().flatten().collect();
+    line.insert("reward_failed".into(), json!(failed.len()));
+    for reason in FailureReason::ALL {
+        let count = failed.iter().filter(|f| f.reason == reason).count();
+        line.insert(format!("reward_failed_{}", reason.as_str()), json!(count));
     }
 }

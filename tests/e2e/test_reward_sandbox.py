@@ -1,0 +1,131 @@
+"""End to end: rewards in the sandbox pool. A reward that hangs, raises, runs out of memory or
+segfaults on some samples costs those samples, not the run; samples.jsonl says why each failed
+and metrics.jsonl counts them exactly. Uses the torch-free toy policy, whose completions are
+seeded digit strings, so the failing samples are known from their text."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+FIXTURES = REPO / "tests" / "fixtures"
+ROLLOUT = Path(os.environ.get("ROLLOUT_BIN", REPO / "target" / "release" / "rollout"))
+sys.path.insert(0, str(FIXTURES))
+
+from sandbox_plugins import BEHAVIOUR, expected_failure  # noqa: E402
+
+STEPS = 4
+
+
+def write_config(directory: Path, *, reward: str, sandbox: str) -> Path:
+    text = f"""
+[run]
+output_dir = "{directory / "out"}"
+seed = 3
+steps = {STEPS}
+log_samples = 1000
+
+[python]
+paths = ["{FIXTURES}"]
+
+[policy]
+plugin = "toy_plugins:ToyPolicy"
+
+[data]
+plugin = "python_plugins.data:JsonlPrompts"
+options = {{ path = "{FIXTURES / "prompts.jsonl"}" }}
+
+[[rewards]]
+plugin = "{reward}"
+
+[rollout]
+prompts_per_step = 3
+group_size = 4
+max_new_tokens = 4
+
+[train]
+learning_rate = 0.001
+
+[sandbox]
+{sandbox}
+"""
+    path = directory / "sandbox.toml"
+    path.write_text(text)
+    return path
+
+
+def run(config: Path) -> subprocess.CompletedProcess[str]:
+    if not ROLLOUT.exists():
+        pytest.fail(f"{ROLLOUT} is missing: build it (or set ROLLOUT_BIN)")
+    return subprocess.run(
+        [str(ROLLOUT), "run", str(config)], capture_output=True, text=True, cwd=config.parent, timeout=240
+    )
+
+
+def read_lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_hanging_raising_oom_and_crashing_rewards_cost_samples_not_the_run(tmp_path: Path) -> None:
+    sandbox = (
+        "processes = 2\ntimeout_seconds = 1.0\nmemory_mb = 2048\n"
+        "max_failed_fraction = 0.9\nmax_failed_fraction_per_step = 1.0"
+    )
+    config = write_config(tmp_path, reward="sandbox_plugins:Misbehaving", sandbox=sandbox)
+    started = time.monotonic()
+    result = run(config)
+    assert result.returncode == 0, result.stderr
+    assert time.monotonic() - started < 180
+    samples = read_lines(tmp_path / "out" / "samples.jsonl")
+    metrics = read_lines(tmp_path / "out" / "metrics.jsonl")
+    assert [line["step"] for line in metrics] == list(range(1, STEPS + 1))
+    assert len(samples) == STEPS * 3 * 4
+    for sample in samples:
+        expected = expected_failure(sample["completion"])
+        failed = sample["failed"]
+        assert (failed and failed["reason"]) == expected, sample
+        if failed:
+            assert sample["reward"] is None and sample["advantage"] == 0.0, sample
+            # A worker that answered names the reward; one that hung or died cannot.
+            assert failed.get("reward") == ("misbehaving" if expected in ("raised", "memory") else None)
+        else:
+            assert sample["reward"] == len(sample["completion"]), sample
+    kinds = Counter(expected_failure(s["completion"]) for s in samples)
+    assert all(kinds[reason] > 0 for reason in BEHAVIOUR.values()), (
+        f"the seed must exercise every failure: {kinds}"
+    )
+    for line in metrics:
+        step = [s for s in samples if s["step"] == line["step"]]
+        counts = Counter(expected_failure(s["completion"]) for s in step)
+        for reason in ("timeout", "raised", "memory", "crashed"):
+            assert line[f"reward_failed_{reason}"] == counts[reason], (line["step"], reason)
+        assert line["reward_failed_invalid"] == 0
+        assert line["reward_failed"] == len(step) - counts[None]
+        scored = [s["reward"] for s in step if not s["failed"]]
+        if scored:
+            assert line["reward_mean"] == pytest.approx(sum(scored) / len(scored))
+    raised = next(s["failed"] for s in samples if s["failed"] and s["failed"]["reason"] == "raised")
+    assert raised["message"].startswith("ValueError: reward refused")
+    assert "Traceback (most recent call last)" in raised["traceback"]
+    timeout = next(s["failed"] for s in samples if s["failed"] and s["failed"]["reason"] == "timeout")
+    assert "timed out after 1 s" in timeout["message"]
+    crashed = next(s["failed"] for s in samples if s["failed"] and s["failed"]["reason"] == "crashed")
+    assert "SIGSEGV" in crashed["message"]
+
+
+def test_too_many_failures_end_the_run_with_the_fraction_and_the_limit(tmp_path: Path) -> None:
+    sandbox = "processes = 1\nmax_failed_fraction_per_step = 0.5"
+    config = write_config(tmp_path, reward="toy_plugins:RaisingReward", sandbox=sandbox)
+    result = run(config)
+    assert result.returncode == 1, result.stderr
+    assert "rewards failed on 12 of 12 samples in this step (100.0%)" in result.stderr
+    assert "sandbox.max_failed_fraction_per_step = 0.5" in result.stderr
+    assert "reward exploded on purpose" in result.stderr
