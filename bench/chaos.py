@@ -143,26 +143,27 @@ def log_time(line: str) -> float:
 
 
 def recoveries(entries: list[dict[str, Any]], kills: list[tuple[float, str]]) -> list[float]:
-    """Seconds from each kill to the re-lease of the last group the killed worker held."""
+    """Seconds from each kill to the moment every group the killed worker held was leased
+    again (kills of a worker that held no lease are left out)."""
+    leased = {e["lease"]: e for e in entries if e["event"] == "leased"}
     seconds = []
-    for at, worker in kills:
+    for number, (at, worker) in enumerate(kills):
+        until = next((t for t, w in kills[number + 1 :] if w == worker), math.inf)
         revoked = [
             e
             for e in entries
-            if e["event"] == "revoked" and e["at"] >= at and e["reason"].startswith(f"{worker}:")
+            if e["event"] == "revoked" and at <= e["at"] < until and e["reason"].startswith(f"{worker}:")
         ]
-        leased = {e["lease"]: e for e in entries if e["event"] == "leased"}
-        groups = [
-            (leased[e["lease"]]["group"]["step"], leased[e["lease"]]["group"]["index"]) for e in revoked
-        ]
-        again = [
-            e["at"]
-            for e in entries
-            if e["event"] == "leased"
-            and e["attempt"] > 1
-            and e["at"] >= at
-            and (e["group"]["step"], e["group"]["index"]) in groups
-        ]
+        again = []
+        for revocation in revoked:
+            group = leased[revocation["lease"]]["group"]
+            again.append(
+                min(
+                    e["at"]
+                    for e in entries
+                    if e["event"] == "leased" and e["group"] == group and e["at"] >= revocation["at"]
+                )
+            )
         if again:
             seconds.append(max(again) - at)
     return seconds
@@ -225,6 +226,7 @@ def worker_kills(
         "recovery_seconds": recovered,
         "rejoin_seconds": rejoined,
         "kills_holding_leases": len(recovered),
+        "kill_log": [{"at": at, "worker": worker} for at, worker in kills],
         "seconds": chaos_seconds,
         "baseline_seconds": baseline_seconds,
         # The same work without kills over the same work with them (wall time, start to end).
@@ -319,7 +321,7 @@ def fuzz(inputs: int) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, default=REPO / "bench" / ".work" / "chaos")
-    parser.add_argument("--groups", type=int, default=1040, help="prompt groups in the worker-kill run")
+    parser.add_argument("--groups", type=int, default=2400, help="prompt groups in the worker-kill run")
     parser.add_argument("--kill-interval", type=float, default=2.0, help="seconds between worker kills")
     parser.add_argument("--controller-restarts", type=int, default=2)
     parser.add_argument("--fuzz-inputs", type=int, default=1_000_000)

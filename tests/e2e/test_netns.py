@@ -38,7 +38,7 @@ MASTER_PORT = 29500
 SECRET = "the netns test's cluster secret"
 STEPS = 4
 # Latency the proxy adds to each chunk of the workers' control connections, each way.
-LINK_DELAY_MS = 20
+LINK_DELAY_MS = 50
 PROMPTS_PER_STEP = 4
 SAMPLES_PER_STEP = PROMPTS_PER_STEP * 4  # times group_size
 # Bounds on every wait: a whole run, the roles' exits after the controller's, start-up.
@@ -476,18 +476,25 @@ def test_two_workers_and_two_trainers_on_three_nodes_learn(
 
 
 @pytest.mark.slow
-def test_a_run_through_a_slow_link_still_finishes(net: Network, tmp_path: Path, artifacts: Path) -> None:
-    proxy = start_proxy(net, "--delay-ms", str(LINK_DELAY_MS))
+def test_a_run_through_a_slow_stalling_link_still_finishes(
+    net: Network, tmp_path: Path, artifacts: Path
+) -> None:
+    # Each connection also stalls for 2 s once 8 kB went through it (short of the peer
+    # timeout, so nothing is lost: the run waits).
+    proxy = start_proxy(
+        net, "--delay-ms", str(LINK_DELAY_MS), "--stall-after-bytes", "8000", "--stall-ms", "2000"
+    )
     run = run_cluster(net, tmp_path, artifacts, steps=STEPS, proxy=proxy, proxied_workers=(0, 1))
     # Both workers' control connections went through the proxy, from the workers' node.
     forwarded = re.findall(r"connection \d+ from ([\d.]+):\d+: forwarding", proxy.stderr)
     assert forwarded == [net.gen.address, net.gen.address], proxy.stderr
     assert "RESET" not in proxy.stderr
+    assert "stalling" in proxy.stderr, proxy.stderr
     assert_trained(run, net, STEPS)
     assert_on_their_nodes(run, net)
 
 
-def assert_valid_checkpoint(directory: Path, *, max_step: int) -> None:
+def assert_valid_checkpoint(directory: Path, *, max_step: int, min_step: int = 1) -> None:
     manifest = json.loads((directory / "manifest.json").read_text())
     listed = {entry["path"]: entry["bytes"] for entry in manifest["files"]}
     assert "state.json" in listed
@@ -495,33 +502,36 @@ def assert_valid_checkpoint(directory: Path, *, max_step: int) -> None:
         assert (directory / path).stat().st_size == size, path
     state = json.loads((directory / "state.json").read_text())
     assert state["step"] == manifest["step"] == int(directory.name.removeprefix("step-"))
-    assert 1 <= state["step"] <= max_step
+    assert min_step <= state["step"] <= max_step
 
 
 @pytest.mark.slow
 def test_a_worker_whose_connection_resets_connects_again_and_the_run_completes(
     net: Network, tmp_path: Path, artifacts: Path
 ) -> None:
-    # About 3-5 kB go each way while the roles join and load, then 2.4-2.9 kB per step on a
-    # worker's control connection: the proxy resets every connection of gen-0 after 40 kB,
-    # so gen-0 loses its controller every dozen steps or so and connects again.
-    steps = 40
-    proxy = start_proxy(net, "--reset-after-bytes", "40000")
-    run = run_cluster(
-        net, tmp_path, artifacts, steps=steps, checkpoint_every=1, proxy=proxy, proxied_workers=(0,)
-    )
+    # The proxy resets gen-0's first connection once 40 kB went through it (while the run
+    # starts: the config, the weights' announcement, the prompts to tokenise); gen-0
+    # connects again through the proxy and finishes the run in the pool.
+    steps = 150
+    proxy = start_proxy(net, "--reset-after-bytes", "40000", "--faulty-connections", "1")
+    run = run_cluster(net, tmp_path, artifacts, steps=steps, proxy=proxy, proxied_workers=(0,))
     resets = re.findall(r"connection (\d+): RESET by --reset-after-bytes", proxy.stderr)
-    assert len(resets) >= 1, proxy.stderr
+    assert resets == ["1"], proxy.stderr
     controller = run.controller
     assert controller.process.returncode == 0, net.report()
     assert f"done: {steps} steps" in controller.stdout
-    # The controller lost gen-0 at each reset and gen-0 joined again, with the newest weights.
+    # The controller lost gen-0 at the reset and gen-0 joined again, with the newest weights.
     assert "gen-0 left the generation pool" in controller.stderr, controller.stderr[-4000:]
     assert "gen-0 joined the run's generation workers" in controller.stderr, controller.stderr[-4000:]
     assert "lost the controller" in run.workers[0].stderr and "connecting again" in run.workers[0].stderr
     lines = run.metrics()
     assert [line["step"] for line in lines] == list(range(1, steps + 1))
-    assert sum(line["workers_lost"] for line in lines) >= 1
+    assert sum(line["workers_lost"] for line in lines) == 1
+    assert sum(line["workers_joined"] for line in lines) == 1
+    joined = next(line["step"] for line in lines if line["workers_joined"] == 1)
+    after = [line for line in lines if line["step"] > joined]
+    assert after and all(line["workers"] == 2 for line in after)
+    assert sum(line.get("worker_completions/gen-0", 0) for line in after) > 0
     for role in run.roles[1:]:
         assert role.process.returncode == 0, f"{role.label} exited {role.process.returncode}\n{net.report()}"
     assert_no_panic(net)

@@ -236,7 +236,15 @@ impl Decoder for FrameCodec {
             .ok_or_else(too_large)?;
 
         if src.len() < frame_len {
-            src.reserve((frame_len - src.len()).min(MAX_RESERVE_AHEAD));
+            // Room for the rest of the frame, at most MAX_RESERVE_AHEAD past what arrived.
+            // A fresh buffer of exactly that size: `BytesMut::reserve` could double the old
+            // allocation, or keep the bytes of frames already handed out in front of it.
+            let wanted = frame_len.min(src.len().saturating_add(MAX_RESERVE_AHEAD));
+            if src.capacity() < wanted {
+                let mut grown = BytesMut::with_capacity(wanted);
+                grown.extend_from_slice(src);
+                *src = grown;
+            }
             return Ok(None);
         }
         let mut frame = src.split_to(frame_len).freeze();

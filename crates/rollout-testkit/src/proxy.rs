@@ -28,6 +28,8 @@ pub struct ProxyConfig {
     pub faults: ByteFaults,
     /// Connections accepted and closed (reset) at once, before any are forwarded.
     pub drop_first: u64,
+    /// Only the first this many forwarded connections suffer `faults` (all when `None`).
+    pub faulty_connections: Option<u64>,
 }
 
 /// Writes a log line to stderr, stamped with the seconds since the proxy started.
@@ -110,7 +112,15 @@ async fn forward(
         "connection {number} from {peer}: forwarding to {}",
         config.upstream
     ));
-    let schedule = Mutex::new(Schedule::new(config.faults.clone()));
+    let faulty = config
+        .faulty_connections
+        .is_none_or(|first| number - config.drop_first <= first);
+    let faults = if faulty {
+        config.faults.clone()
+    } else {
+        ByteFaults::default()
+    };
+    let schedule = Mutex::new(Schedule::new(faults));
     let (up_bytes, down_bytes) = (AtomicU64::new(0), AtomicU64::new(0));
     let end = {
         let (down_read, down_write) = downstream.split();

@@ -126,6 +126,25 @@ async fn reset_after_bytes_cuts_the_connection_with_a_reset() {
 }
 
 #[tokio::test]
+async fn only_the_first_faulty_connections_are_reset() {
+    let address = proxy(ProxyConfig {
+        faults: ByteFaults {
+            reset_after: Some(1000),
+            ..ByteFaults::default()
+        },
+        faulty_connections: Some(1),
+        ..ProxyConfig::default()
+    })
+    .await;
+    let sent = data(5000);
+    assert!(
+        round_trip(address, &sent).await.is_err(),
+        "the first is reset"
+    );
+    assert_eq!(round_trip(address, &sent).await.unwrap(), sent);
+}
+
+#[tokio::test]
 async fn corrupt_flips_exactly_one_byte() {
     let address = proxy(ProxyConfig {
         faults: ByteFaults {

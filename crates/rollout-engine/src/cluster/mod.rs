@@ -42,6 +42,8 @@ pub enum ClusterError {
     Tls(#[from] rollout_net::tls::TlsError),
     #[error("lost the controller: {0}")]
     ControllerLost(String),
+    #[error("the run is over: the controller takes no more roles")]
+    RunOver,
     #[error("{0}")]
     Protocol(String),
     #[error("{0}")]

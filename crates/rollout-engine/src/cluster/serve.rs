@@ -145,6 +145,10 @@ pub(super) async fn welcome(
         .recv()
         .await
         .ok_or_else(|| ClusterError::ControllerLost(server.closed_reason()))?;
+    if incoming.frame.kind == MessageKind::Shutdown {
+        answer(&server.responder, incoming.call, Ok(Done {}));
+        return Err(ClusterError::RunOver);
+    }
     let welcome: Welcome = incoming
         .decode()
         .map_err(|err| bad_request(&incoming, err))?;

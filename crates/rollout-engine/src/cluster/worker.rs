@@ -27,6 +27,10 @@ use super::weights::{VersionBuffer, WeightStore};
 use crate::local::PolicyHost;
 use crate::roles::{Generator, RoleError, Tokenizer};
 
+/// How long a worker that lost its controller waits before connecting again (a controller
+/// that refuses it at once would otherwise see it back in a tight loop).
+const RECONNECT_PAUSE: Duration = Duration::from_secs(1);
+
 /// Work a generation worker does strictly in arrival order: generation, and swapping in
 /// weight versions between generations.
 enum Ordered {
@@ -67,7 +71,12 @@ pub async fn run_worker(args: RoleArgs) -> Result<(), ClusterError> {
     );
     let mut loaded: Option<Loaded> = None;
     loop {
-        let welcomed = welcome("worker", &args, info.clone()).await?;
+        let welcomed = match welcome("worker", &args, info.clone()).await {
+            Ok(welcomed) => welcomed,
+            // Rejoining after the run ended: nothing left to do.
+            Err(ClusterError::RunOver) if loaded.is_some() => return Ok(()),
+            Err(err) => return Err(err),
+        };
         let host = match &loaded {
             Some(same) if same.config_toml == welcomed.config_toml => same.host.clone(),
             _ => match load_policy(&welcomed.loaded).await {
@@ -95,6 +104,7 @@ pub async fn run_worker(args: RoleArgs) -> Result<(), ClusterError> {
             Ended::Done => return Ok(()),
             Ended::Lost(reason) => {
                 tracing::warn!("lost the controller ({reason}); connecting again");
+                tokio::time::sleep(RECONNECT_PAUSE).await;
             }
         }
     }

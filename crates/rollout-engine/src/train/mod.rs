@@ -512,10 +512,14 @@ impl<'a> Controller<'a> {
         }
 
         let training = Instant::now();
+        // A sample whose reward failed is not trained on at all (no loss, no KL term, not
+        // in the token count the loss is normalised by).
         let sequences: Vec<TrainSequence> = trajectories
             .iter()
             .zip(advantages)
-            .map(|(trajectory, &advantage)| TrainSequence {
+            .zip(&collected.failures)
+            .filter(|(_, failure)| failure.is_none())
+            .map(|((trajectory, &advantage), _)| TrainSequence {
                 tokens: trajectory.tokens.clone(),
                 loss_mask: trajectory.loss_mask.clone(),
                 logprobs: trajectory.logprobs.clone(),

@@ -45,6 +45,9 @@ struct Args {
     /// Reset the first K accepted connections at once, forwarding nothing.
     #[arg(long, default_value_t = 0, value_name = "K")]
     drop_first_connections: u64,
+    /// Only the first N forwarded connections suffer the byte-count faults (all when unset).
+    #[arg(long, value_name = "N")]
+    faulty_connections: Option<u64>,
     /// Exit after this many seconds, whatever is still connected.
     #[arg(long, default_value_t = 600, value_name = "SECONDS")]
     max_seconds: u64,
@@ -64,6 +67,7 @@ impl Args {
                 scope: self.fault_direction,
             },
             drop_first: self.drop_first_connections,
+            faulty_connections: self.faulty_connections,
         }
     }
 }

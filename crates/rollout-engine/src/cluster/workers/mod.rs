@@ -8,17 +8,16 @@
 //! newest weights, and only then get work. Weight versions travel along a chain of the
 //! live workers.
 
-use std::collections::BTreeMap;
-use std::future::Future;
-use std::pin::Pin;
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+mod generation;
+mod sync;
 
-use futures_util::StreamExt;
-use futures_util::stream::FuturesUnordered;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
 use rollout_net::link::Link;
 use rollout_net::messages::{
-    Completion, Done, GenerateRequest, GenerateResponse, Shutdown, SyncWeights, TokenizerRequest,
+    Done, GenerateRequest, GenerateResponse, Shutdown, SyncWeights, TokenizerRequest,
     TokenizerResponse, WeightsReport, Welcome,
 };
 use rollout_net::rpc::RpcClient;
@@ -27,6 +26,7 @@ use tokio::sync::{Notify, mpsc};
 use super::ledger::{Ledger, LedgerCounts, LedgerError};
 use super::remote::send;
 use crate::roles::{Generator, RoleError, RoleFuture, Tokenizer};
+use sync::verify;
 
 /// How the pool treats slow, lost and late workers.
 #[derive(Debug, Clone)]
@@ -81,6 +81,8 @@ struct Tally {
 
 struct Shared {
     members: Mutex<Vec<Arc<Member>>>,
+    /// Set once the run is over: workers that connect now are sent away.
+    closed: std::sync::atomic::AtomicBool,
     /// The newest weights published (what a joining worker pulls).
     latest: Mutex<Option<WeightsReport>>,
     arrived: Notify,
@@ -112,33 +114,12 @@ pub struct RemoteWorkers {
     shared: Arc<Shared>,
 }
 
-/// One generation request in progress.
-struct Generation {
-    request: GenerateRequest,
-    results: Vec<Option<Vec<Completion>>>,
-    /// Leases so far, per prompt.
-    attempts: Vec<u32>,
-    /// Prompts to lease (again).
-    pending: Vec<usize>,
-    in_flight: FuturesUnordered<Answer>,
-    parts: Vec<BTreeMap<String, f64>>,
-    dropped: usize,
-}
-
-type Answer = Pin<Box<dyn Future<Output = (Share, Result<GenerateResponse, RoleError>)> + Send>>;
-
-/// One generation call to one worker: which prompts of the request, under which leases.
-struct Share {
-    member: Arc<Member>,
-    positions: Vec<usize>,
-    leases: Vec<u64>,
-}
-
 impl RemoteWorkers {
     pub fn new(workers: Vec<RpcClient>, ledger: Ledger, settings: PoolSettings) -> Self {
         Self {
             shared: Arc::new(Shared {
                 members: Mutex::new(workers.into_iter().map(Member::new).collect()),
+                closed: std::sync::atomic::AtomicBool::new(false),
                 latest: Mutex::new(None),
                 arrived: Notify::new(),
                 ledger: Mutex::new(ledger),
@@ -173,6 +154,9 @@ impl RemoteWorkers {
     }
 
     pub async fn shutdown(&self, reason: &str) {
+        self.shared
+            .closed
+            .store(true, std::sync::atomic::Ordering::SeqCst);
         let members = lock(&self.shared.members).clone();
         for member in members {
             let reason = reason.to_owned();
@@ -183,6 +167,11 @@ impl RemoteWorkers {
 
 impl Shared {
     async fn admit(&self, member: Arc<Member>, config_toml: String) -> Result<(), RoleError> {
+        if self.closed.load(std::sync::atomic::Ordering::SeqCst) {
+            let reason = "the run is over".to_owned();
+            let _ = send::<_, Done>(&member.client, &Shutdown { reason }).await;
+            return Ok(());
+        }
         let welcome = Welcome {
             config_toml,
             assignment: serde_json::json!({ "late": true }),
@@ -258,286 +247,6 @@ impl Shared {
         }
     }
 
-    /// Leases `positions` of `request` to `members`, round-robin; positions whose group
-    /// ran out of attempts come back as dropped.
-    fn deal(
-        &self,
-        request: &GenerateRequest,
-        members: &[Arc<Member>],
-        positions: Vec<usize>,
-        attempts: &mut [u32],
-    ) -> Result<(Vec<Share>, Vec<usize>), RoleError> {
-        let mut shares: Vec<Share> = members
-            .iter()
-            .map(|member| Share {
-                member: member.clone(),
-                positions: Vec::new(),
-                leases: Vec::new(),
-            })
-            .collect();
-        let mut dropped = Vec::new();
-        let mut ledger = lock(&self.ledger);
-        let now = Instant::now();
-        for (turn, position) in positions.into_iter().enumerate() {
-            let share = &mut shares[turn % members.len()];
-            attempts[position] += 1;
-            let group = request.prompts[position].group;
-            if attempts[position] > self.settings.max_attempts {
-                if let Some(group) = group {
-                    let reason = format!("no answer after {} leases", attempts[position] - 1);
-                    ledger.dropped(group, &reason).map_err(journal_error)?;
-                }
-                dropped.push(position);
-                continue;
-            }
-            let lease = match group {
-                Some(group) => ledger
-                    .lease(
-                        group,
-                        &share.member.name,
-                        attempts[position],
-                        now,
-                        self.settings.lease_timeout,
-                    )
-                    .map_err(journal_error)?,
-                None => 0,
-            };
-            share.positions.push(position);
-            share.leases.push(lease);
-        }
-        shares.retain(|share| !share.positions.is_empty());
-        Ok((shares, dropped))
-    }
-
-    /// Accepts a worker's answer lease by lease; returns the positions whose answer was
-    /// rejected (to be generated again).
-    fn accept(
-        &self,
-        request: &GenerateRequest,
-        share: &Share,
-        response: GenerateResponse,
-        results: &mut [Option<Vec<Completion>>],
-    ) -> Result<Vec<usize>, RoleError> {
-        if response.groups.len() != share.positions.len() {
-            return Err(RoleError::Protocol(format!(
-                "{} answered {} groups for {} prompts",
-                share.member.name,
-                response.groups.len(),
-                share.positions.len()
-            )));
-        }
-        let mut ledger = lock(&self.ledger);
-        let now = Instant::now();
-        let mut again = Vec::new();
-        let mut completions = 0;
-        for ((&position, &lease), group) in share
-            .positions
-            .iter()
-            .zip(&share.leases)
-            .zip(response.groups)
-        {
-            let tracked = request.prompts[position].group.is_some();
-            if !tracked || ledger.complete(lease, now).map_err(journal_error)? {
-                completions += group.len() as u64;
-                results[position] = Some(group);
-            } else {
-                again.push(position);
-            }
-        }
-        *lock(&self.tally)
-            .completions
-            .entry(share.member.name.clone())
-            .or_default() += completions;
-        Ok(again)
-    }
-
-    fn revoke(&self, share: &Share, err: &RoleError) -> Result<(), RoleError> {
-        let mut ledger = lock(&self.ledger);
-        for &lease in &share.leases {
-            if lease != 0 {
-                ledger
-                    .revoke(lease, &err.to_string())
-                    .map_err(journal_error)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Starts generating `request`: its prompts are leased and sent now, when a worker is
-    /// live, so they reach each worker in the order of the calls (after any weight sync
-    /// asked for before).
-    fn start(&self, request: GenerateRequest) -> Result<Generation, RoleError> {
-        let total = request.prompts.len();
-        let mut generation = Generation {
-            request,
-            results: vec![None; total],
-            attempts: vec![0; total],
-            pending: (0..total).collect(),
-            in_flight: FuturesUnordered::new(),
-            parts: Vec::new(),
-            dropped: 0,
-        };
-        let members = lock(&self.members).clone();
-        if !members.is_empty() {
-            self.dispatch(&mut generation, &members)?;
-        }
-        Ok(generation)
-    }
-
-    /// Leases and sends the pending prompts of `generation` to `members`.
-    fn dispatch(
-        &self,
-        generation: &mut Generation,
-        members: &[Arc<Member>],
-    ) -> Result<(), RoleError> {
-        let pending = std::mem::take(&mut generation.pending);
-        let (shares, gone) = self.deal(
-            &generation.request,
-            members,
-            pending,
-            &mut generation.attempts,
-        )?;
-        for &position in &gone {
-            generation.results[position] = Some(Vec::new());
-        }
-        generation.dropped += gone.len();
-        let limit = self.settings.lease_timeout;
-        for share in shares {
-            let call = GenerateRequest {
-                prompts: share
-                    .positions
-                    .iter()
-                    .map(|&p| generation.request.prompts[p].clone())
-                    .collect(),
-                sampling: generation.request.sampling.clone(),
-            };
-            let answer = send::<_, GenerateResponse>(&share.member.client, &call);
-            generation.in_flight.push(Box::pin(async move {
-                let result = tokio::time::timeout(limit, answer)
-                    .await
-                    .unwrap_or_else(|_| {
-                        Err(RoleError::TimedOut {
-                            role: share.member.name.clone(),
-                            seconds: limit.as_secs_f64(),
-                        })
-                    });
-                (share, result)
-            }));
-        }
-        Ok(())
-    }
-
-    /// Collects the answers of `generation`, leasing again what a lost worker held.
-    async fn finish(&self, mut generation: Generation) -> Result<GenerateResponse, RoleError> {
-        loop {
-            if !generation.pending.is_empty() {
-                let members = self.live_members().await?;
-                self.dispatch(&mut generation, &members)?;
-            }
-            let Some((share, result)) = generation.in_flight.next().await else {
-                break;
-            };
-            match result {
-                Ok(response) => {
-                    generation.parts.push(response.metrics.clone());
-                    let again = self.accept(
-                        &generation.request,
-                        &share,
-                        response,
-                        &mut generation.results,
-                    )?;
-                    generation.pending.extend(again);
-                }
-                Err(err) if is_loss(&err) => {
-                    self.lose(&share.member, &err);
-                    self.revoke(&share, &err)?;
-                    generation.pending.extend(share.positions);
-                }
-                Err(err) => return Err(err),
-            }
-        }
-        let mut metrics = crate::generation::merge_metrics(&generation.parts);
-        metrics.insert("groups_dropped".into(), generation.dropped as f64);
-        Ok(GenerateResponse {
-            groups: generation
-                .results
-                .into_iter()
-                .map(Option::unwrap_or_default)
-                .collect(),
-            metrics,
-        })
-    }
-
-    /// Sends `weights` along a chain of the live workers now (so the sync reaches each
-    /// worker before any generation asked for later); a worker whose pull fails because its
-    /// source left is then sent straight to the trainer's copy. Workers lost on the way
-    /// leave the pool.
-    fn load_weights(
-        self: &Arc<Self>,
-        weights: WeightsReport,
-    ) -> impl Future<Output = Result<Vec<WeightsReport>, RoleError>> + Send + 'static {
-        let members = {
-            let members = lock(&self.members);
-            *lock(&self.latest) = Some(weights.clone());
-            members.clone()
-        };
-        let mut source = weights.source.clone();
-        let calls: Vec<_> = members
-            .iter()
-            .map(|member| {
-                let request = SyncWeights {
-                    weights: WeightsReport {
-                        source: std::mem::replace(&mut source, member.weights_address()),
-                        ..weights.clone()
-                    },
-                };
-                (
-                    member.clone(),
-                    send::<_, WeightsReport>(&member.client, &request),
-                )
-            })
-            .collect();
-        let shared = self.clone();
-        async move {
-            let mut reports = Vec::with_capacity(calls.len());
-            for (member, call) in calls {
-                let report = match call.await {
-                    Ok(report) => report,
-                    Err(err) if is_loss(&err) => {
-                        shared.lose(&member, &err);
-                        continue;
-                    }
-                    Err(_) => match shared.pull_from_trainer(&member, &weights).await? {
-                        Some(report) => report,
-                        None => continue,
-                    },
-                };
-                verify(&member.name, &report, &weights)?;
-                reports.push(report);
-            }
-            Ok(reports)
-        }
-    }
-
-    /// Has `member` pull `weights` from the trainer itself; `None` if the member is lost.
-    async fn pull_from_trainer(
-        &self,
-        member: &Arc<Member>,
-        weights: &WeightsReport,
-    ) -> Result<Option<WeightsReport>, RoleError> {
-        let direct = SyncWeights {
-            weights: weights.clone(),
-        };
-        match send::<_, WeightsReport>(&member.client, &direct).await {
-            Ok(report) => Ok(Some(report)),
-            Err(err) if is_loss(&err) => {
-                self.lose(member, &err);
-                Ok(None)
-            }
-            Err(err) => Err(err),
-        }
-    }
-
     /// Runs a tokenizer call on some live worker, moving on when one is lost.
     async fn tokenize(&self, request: TokenizerRequest) -> Result<TokenizerResponse, RoleError> {
         loop {
@@ -572,17 +281,6 @@ impl Shared {
         }
         metrics
     }
-}
-
-fn verify(name: &str, report: &WeightsReport, published: &WeightsReport) -> Result<(), RoleError> {
-    if report.version != published.version || report.checksum != published.checksum {
-        return Err(RoleError::Protocol(format!(
-            "{name} serves weight version {} with checksum {}, but version {} with checksum {} \
-             was published",
-            report.version, report.checksum, published.version, published.checksum
-        )));
-    }
-    Ok(())
 }
 
 impl Generator for RemoteWorkers {
@@ -650,3 +348,6 @@ impl Tokenizer for RemoteWorkers {
         })
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,214 @@
+//! The pool against fake workers over real authenticated links: no Python, no model.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use rollout_net::link::{Link, LinkLimits};
+use rollout_net::messages::{
+    Completion, FinishReason, GenerateRequest, GenerateResponse, GroupRef, Hello, MessageKind,
+    PromptRequest, SamplingParams,
+};
+use rollout_net::{ClusterKey, rpc::RpcClient};
+
+use super::{PoolSettings, RemoteWorkers};
+use crate::cluster::ledger::{Ledger, audit};
+use crate::roles::Generator;
+
+#[derive(Clone, Copy, PartialEq)]
+enum Fake {
+    Healthy,
+    /// Closes its connection when its first generation request arrives.
+    DiesOnRequest,
+    /// Never answers (its heartbeats go on).
+    Hangs,
+}
+
+fn hello(role: &str, name: &str) -> Hello {
+    Hello {
+        role: role.into(),
+        name: name.into(),
+        version: env!("CARGO_PKG_VERSION").into(),
+        credits: 64,
+        info: serde_json::Value::Null,
+    }
+}
+
+/// A completion that says which prompt (by seed) it completes.
+fn completion(prompt: &PromptRequest) -> Completion {
+    Completion {
+        token_ids: vec![prompt.seed.unwrap_or(0) as u32],
+        logprobs: vec![-0.5],
+        finish_reason: FinishReason::Stop,
+        weight_version: 0,
+    }
+}
+
+async fn fake_worker(key: &ClusterKey, name: &str, behaviour: Fake) -> RpcClient {
+    let listener = rollout_net::link::listen("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    let (key_copy, name_copy) = (key.clone(), name.to_owned());
+    tokio::spawn(async move {
+        let (stream, _) = listener.accept().await.unwrap();
+        let limits = LinkLimits::default();
+        let link = Link::accept(stream, &key_copy, &hello("worker", &name_copy), &limits)
+            .await
+            .unwrap();
+        let mut server = link.server();
+        let mut held = Vec::new();
+        while let Some(incoming) = server.requests.recv().await {
+            assert_eq!(incoming.frame.kind, MessageKind::GenerateRequest);
+            match behaviour {
+                Fake::DiesOnRequest => return,
+                Fake::Hangs => held.push(incoming),
+                Fake::Healthy => {
+                    let request: GenerateRequest = incoming.decode().unwrap();
+                    let response = GenerateResponse {
+                        groups: request
+                            .prompts
+                            .iter()
+                            .map(|p| vec![completion(p); p.n as usize])
+                            .collect(),
+                        metrics: Default::default(),
+                    };
+                    let _ = server
+                        .responder
+                        .reply(incoming.call, &response, Bytes::new(), false);
+                }
+            }
+        }
+    });
+    let limits = LinkLimits::default();
+    Link::connect(&address, key, &hello("controller", "controller"), &limits)
+        .await
+        .unwrap()
+        .client()
+}
+
+fn request(step: u64, prompts: u32) -> GenerateRequest {
+    GenerateRequest {
+        prompts: (0..prompts)
+            .map(|index| PromptRequest {
+                prompt_ids: vec![1, 2, 3],
+                n: 2,
+                max_new_tokens: Vec::new(),
+                seed: Some(u64::from(100 + index)),
+                group: Some(GroupRef { step, index }),
+            })
+            .collect(),
+        sampling: SamplingParams {
+            max_new_tokens: 4,
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            stop_token_ids: Vec::new(),
+            stop_strings: Vec::new(),
+            ignore_eos: false,
+            seed: 7,
+        },
+    }
+}
+
+async fn pool(
+    behaviours: &[Fake],
+    settings: PoolSettings,
+    journal: &std::path::Path,
+) -> RemoteWorkers {
+    let key = ClusterKey::from_secret(ClusterKey::random_secret().as_bytes()).unwrap();
+    let mut clients = Vec::new();
+    for (index, &behaviour) in behaviours.iter().enumerate() {
+        clients.push(fake_worker(&key, &format!("fake-{index}"), behaviour).await);
+    }
+    RemoteWorkers::new(clients, Ledger::new(Some(journal)), settings)
+}
+
+fn assert_every_prompt_answered(response: &GenerateResponse, prompts: u32) {
+    assert_eq!(response.groups.len(), prompts as usize);
+    for (index, group) in response.groups.iter().enumerate() {
+        assert_eq!(group.len(), 2, "prompt {index}");
+        assert!(
+            group
+                .iter()
+                .all(|c| c.token_ids == vec![100 + index as u32])
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_worker_lost_mid_request_has_its_groups_generated_by_the_others() {
+    let dir = tempfile::tempdir().unwrap();
+    let journal = dir.path().join("ledger.jsonl");
+    let workers = pool(
+        &[Fake::Healthy, Fake::DiesOnRequest, Fake::Healthy],
+        PoolSettings::default(),
+        &journal,
+    )
+    .await;
+    let response = workers.generate(request(1, 12)).await.unwrap();
+    assert_every_prompt_answered(&response, 12);
+    assert_eq!(response.metrics["groups_dropped"], 0.0);
+    let metrics = workers.step_trained(1).await.unwrap();
+    assert_eq!(metrics["workers"], 2.0);
+    assert_eq!(metrics["workers_lost"], 1.0);
+    // Round-robin gave the dying worker 4 of the 12 groups; they were leased again.
+    assert_eq!(metrics["leases_revoked"], 4.0);
+    assert_eq!(metrics["leases"], 16.0);
+    let audited = audit(&journal).unwrap();
+    assert_eq!(audited.groups_trained, 12);
+    assert_eq!((audited.groups_lost, audited.groups_duplicated), (0, 0));
+}
+
+#[tokio::test]
+async fn a_worker_past_its_lease_deadline_is_dropped_and_its_groups_leased_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let settings = PoolSettings {
+        lease_timeout: Duration::from_millis(300),
+        ..PoolSettings::default()
+    };
+    let workers = pool(
+        &[Fake::Hangs, Fake::Healthy],
+        settings,
+        &dir.path().join("ledger.jsonl"),
+    )
+    .await;
+    let response = tokio::time::timeout(Duration::from_secs(10), workers.generate(request(1, 6)))
+        .await
+        .expect("the hung worker's groups must not wait forever")
+        .unwrap();
+    assert_every_prompt_answered(&response, 6);
+    let metrics = workers.step_trained(1).await.unwrap();
+    assert_eq!((metrics["workers"], metrics["leases_revoked"]), (1.0, 3.0));
+}
+
+#[tokio::test]
+async fn groups_are_dropped_after_their_attempts_and_generation_fails_without_workers() {
+    let dir = tempfile::tempdir().unwrap();
+    let settings = PoolSettings {
+        max_attempts: 1,
+        join_timeout: Duration::from_millis(200),
+        ..PoolSettings::default()
+    };
+    let workers = pool(
+        &[Fake::DiesOnRequest, Fake::Healthy],
+        settings,
+        &dir.path().join("ledger.jsonl"),
+    )
+    .await;
+    // One lease per group: the dying worker's share is dropped, not generated again.
+    let response = workers.generate(request(1, 4)).await.unwrap();
+    assert_eq!(response.metrics["groups_dropped"], 2.0);
+    let empty: Vec<usize> = (0..4).filter(|&i| response.groups[i].is_empty()).collect();
+    assert_eq!(empty, vec![0, 2]);
+
+    let workers = pool(
+        &[Fake::DiesOnRequest],
+        PoolSettings {
+            join_timeout: Duration::from_millis(200),
+            ..PoolSettings::default()
+        },
+        &dir.path().join("second.jsonl"),
+    )
+    .await;
+    let err = workers.generate(request(1, 2)).await.unwrap_err();
+    assert!(err.to_string().contains("none joined"), "{err}");
+}
