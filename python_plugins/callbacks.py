@@ -14,7 +14,11 @@ __all__ = ["ConsoleProgress", "JsonlMetrics", "format_duration"]
 
 
 class ConsoleProgress(Callback):
-    """Print ``step  12/100  reward 0.412  loss -0.0031  1.9 samples/s  48 tok/s  eta 1m32s``."""
+    """Print ``step  12/100  reward 0.412  loss -0.0031  1.9 samples/s  48 tok/s  eta 1m32s``.
+
+    In a distributed run the line also shows the generation workers, with the joins and
+    losses since the previous line: ``workers 3 (+1 -1)``.
+    """
 
     @dataclasses.dataclass(kw_only=True, slots=True)
     class Config:
@@ -29,6 +33,8 @@ class ConsoleProgress(Callback):
         super().__init__(config)
         self.total_steps: int | None = None
         self.step_seconds: list[float] = []
+        self.joined = 0
+        self.lost = 0
 
     def on_run_start(self, info: RunInfo) -> None:
         self.total_steps = info.total_steps
@@ -37,8 +43,11 @@ class ConsoleProgress(Callback):
     def on_step_end(self, step: int, metrics: Mapping[str, Any]) -> None:
         if "step_seconds" in metrics:
             self.step_seconds.append(float(metrics["step_seconds"]))
+        self.joined += int(metrics.get("workers_joined", 0))
+        self.lost += int(metrics.get("workers_lost", 0))
         if step % self.config.every == 0 or step == self.total_steps:
             print(self.format_line(step, metrics), flush=True)
+            self.joined = self.lost = 0
 
     def format_line(self, step: int, metrics: Mapping[str, Any]) -> str:
         total = self.total_steps
@@ -52,6 +61,9 @@ class ConsoleProgress(Callback):
             parts.append(f"{float(metrics['samples_per_second']):.1f} samples/s")
         if "generated_tokens" in metrics and seconds > 0:
             parts.append(f"{float(metrics['generated_tokens']) / seconds:.0f} tok/s")
+        if "workers" in metrics:
+            changes = f" (+{self.joined} -{self.lost})" if self.joined or self.lost else ""
+            parts.append(f"workers {int(metrics['workers'])}{changes}")
         if total and self.step_seconds:
             mean_seconds = sum(self.step_seconds) / len(self.step_seconds)
             parts.append(f"eta {format_duration(mean_seconds * max(total - step, 0))}")

@@ -43,6 +43,19 @@ def test_console_progress_every_n_steps_and_the_last(capsys):
     assert printed == ["5/12", "10/12", "12/12"]
 
 
+def test_console_progress_shows_workers_joining_and_leaving(capsys):
+    progress = load_plugin("python_plugins.callbacks:ConsoleProgress", {"every": 2})
+    progress.on_run_start(run_info(total_steps=4))
+    pool = [(3, 0, 0), (2, 0, 1), (3, 1, 0), (3, 0, 0)]
+    for step, (workers, joined, lost) in enumerate(pool, start=1):
+        progress.on_step_end(
+            step, {**metrics(step), "workers": workers, "workers_joined": joined, "workers_lost": lost}
+        )
+    lines = capsys.readouterr().out.splitlines()
+    assert "workers 2 (+0 -1)" in lines[0]
+    assert "workers 3 (+1 -0)" in lines[1]
+
+
 def test_console_progress_tolerates_missing_metrics(capsys):
     progress = load_plugin("python_plugins.callbacks:ConsoleProgress")
     progress.on_step_end(3, {})
