@@ -12,6 +12,7 @@ mod generation;
 mod sync;
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -82,7 +83,7 @@ struct Tally {
 struct Shared {
     members: Mutex<Vec<Arc<Member>>>,
     /// Set once the run is over: workers that connect now are sent away.
-    closed: std::sync::atomic::AtomicBool,
+    closed: AtomicBool,
     /// The newest weights published (what a joining worker pulls).
     latest: Mutex<Option<WeightsReport>>,
     arrived: Notify,
@@ -119,7 +120,7 @@ impl RemoteWorkers {
         Self {
             shared: Arc::new(Shared {
                 members: Mutex::new(workers.into_iter().map(Member::new).collect()),
-                closed: std::sync::atomic::AtomicBool::new(false),
+                closed: AtomicBool::new(false),
                 latest: Mutex::new(None),
                 arrived: Notify::new(),
                 ledger: Mutex::new(ledger),
@@ -154,9 +155,7 @@ impl RemoteWorkers {
     }
 
     pub async fn shutdown(&self, reason: &str) {
-        self.shared
-            .closed
-            .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.shared.closed.store(true, Ordering::SeqCst);
         let members = lock(&self.shared.members).clone();
         for member in members {
             let reason = reason.to_owned();
@@ -167,7 +166,7 @@ impl RemoteWorkers {
 
 impl Shared {
     async fn admit(&self, member: Arc<Member>, config_toml: String) -> Result<(), RoleError> {
-        if self.closed.load(std::sync::atomic::Ordering::SeqCst) {
+        if self.closed.load(Ordering::SeqCst) {
             let reason = "the run is over".to_owned();
             let _ = send::<_, Done>(&member.client, &Shutdown { reason }).await;
             return Ok(());
