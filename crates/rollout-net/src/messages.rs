@@ -216,9 +216,10 @@ impl MicroBatch {
         self.loss_mask.iter().filter(|&&m| m > 0.0).count()
     }
 
-    /// Padded size, the cost the token budget bounds.
+    /// Padded size, the cost the token budget bounds (saturating: `rows` and `width` come
+    /// from the peer).
     pub fn padded_tokens(&self) -> usize {
-        self.rows * self.width
+        self.rows.saturating_mul(self.width)
     }
 }
 
