@@ -302,7 +302,7 @@ impl Ledger {
         self.sync()
     }
 
-    pub fn sync(&mut self) -> Result<(), LedgerError> {
+    fn sync(&mut self) -> Result<(), LedgerError> {
         match &mut self.journal {
             Some(journal) => journal.sync(),
             None => Ok(()),

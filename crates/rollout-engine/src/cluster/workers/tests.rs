@@ -212,3 +212,46 @@ async fn groups_are_dropped_after_their_attempts_and_generation_fails_without_wo
     let err = workers.generate(request(1, 2)).await.unwrap_err();
     assert!(err.to_string().contains("none joined"), "{err}");
 }
+
+#[tokio::test]
+async fn a_worker_that_connects_after_the_run_is_told_it_is_over() {
+    let dir = tempfile::tempdir().unwrap();
+    let workers = pool(
+        &[],
+        PoolSettings::default(),
+        &dir.path().join("ledger.jsonl"),
+    )
+    .await;
+    let (links, joined) = tokio::sync::mpsc::channel(1);
+    workers.admit_late_workers(joined, "config".into());
+    workers.shutdown("the run finished").await;
+
+    let key = ClusterKey::from_secret(ClusterKey::random_secret().as_bytes()).unwrap();
+    let listener = rollout_net::link::listen("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    let limits = LinkLimits::default();
+    let latecomer = tokio::spawn({
+        let (key, limits) = (key.clone(), limits.clone());
+        async move {
+            let link = Link::connect(&address, &key, &hello("worker", "late"), &limits)
+                .await
+                .unwrap();
+            let mut server = link.server();
+            server.requests.recv().await.unwrap().frame.kind
+        }
+    });
+    let (stream, _) = listener.accept().await.unwrap();
+    let link = Link::accept(stream, &key, &hello("controller", "controller"), &limits)
+        .await
+        .unwrap();
+    links.send(link).await.unwrap();
+    let first = tokio::time::timeout(Duration::from_secs(10), latecomer)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        first,
+        MessageKind::Shutdown,
+        "no Welcome once the run is over"
+    );
+}
