@@ -1,36 +1,89 @@
-"""Optimizer state and RNG state as safetensors + JSON, so checkpoints never need pickle.
+"""Checkpoint files as safetensors + JSON, so checkpoints never need pickle.
 
-Tensors (Adam moments, step counters, RNG states) go to ``optimizer.safetensors`` under
-``state.<param index>.<key>`` and ``rng.*``; hyperparameters, non-tensor state and the
-parameter index -> name table go to ``optimizer.json``.
+The model is stored as ``save_pretrained`` would store it. Optimizer tensors (Adam moments,
+step counters, RNG states) go to ``optimizer.safetensors`` under ``state.<param index>.<key>``
+and ``rng.*``; hyperparameters, non-tensor state and the parameter index -> name table go to
+``optimizer.json``. Files are returned as snapshot contents (``rollout_sdk.snapshot``): the
+engine copies the tensors and writes them in the background.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-__all__ = ["load_optimizer", "save_optimizer"]
+from rollout_sdk.snapshot import HostTensor, TensorFile
+
+__all__ = ["host_tensor", "load_optimizer", "model_files", "optimizer_files"]
 
 TENSORS_FILE = "optimizer.safetensors"
 METADATA_FILE = "optimizer.json"
 FORMAT_VERSION = 1
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
-def save_optimizer(directory: Path, optimizer: torch.optim.Optimizer, param_names: Sequence[str]) -> None:
-    """Write ``optimizer``'s state (its params named by ``param_names``, in order) and RNG states."""
+def host_tensor(tensor: torch.Tensor) -> HostTensor:
+    """A view of ``tensor``'s bytes in host memory (a copy only when it lives on a device)."""
+    host = tensor.detach().to("cpu").contiguous()
+    return HostTensor(
+        SAFETENSORS_DTYPES[host.dtype], tuple(host.shape), host.reshape(-1).view(torch.uint8).numpy()
+    )
+
+
+def model_files(model: Any, tokenizer: Any) -> dict[str, bytes | TensorFile]:
+    """What ``save_pretrained`` writes for ``model`` and ``tokenizer``, as snapshot contents.
+
+    Tied tensors are stored once, under their first name, as ``save_pretrained`` does.
+    """
+    files: dict[str, bytes | TensorFile] = {"config.json": model.config.to_json_string().encode()}
+    if model.can_generate() and model.generation_config is not None:
+        files["generation_config.json"] = model.generation_config.to_json_string().encode()
+    with tempfile.TemporaryDirectory() as scratch:
+        tokenizer.save_pretrained(scratch)
+        files.update({path.name: path.read_bytes() for path in Path(scratch).iterdir() if path.is_file()})
+    files["model.safetensors"] = TensorFile(_untied(model.state_dict()), {"format": "pt"})
+    return files
+
+
+def _untied(state: Mapping[str, torch.Tensor]) -> dict[str, HostTensor]:
+    seen: set[tuple[str, int]] = set()
+    untied = {}
+    for name, tensor in state.items():
+        storage = (str(tensor.device), tensor.untyped_storage().data_ptr())
+        if storage not in seen:
+            seen.add(storage)
+            untied[name] = host_tensor(tensor)
+    return untied
+
+
+def optimizer_files(
+    optimizer: torch.optim.Optimizer, param_names: Sequence[str]
+) -> dict[str, bytes | TensorFile]:
+    """``optimizer``'s state (params named by ``param_names``, in order) and the RNG states."""
     state = optimizer.state_dict()
     tensors: dict[str, torch.Tensor] = {}
     scalars: dict[str, dict[str, Any]] = {}
     for index, values in state["state"].items():
         for key, value in values.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"state.{index}.{key}"] = value.detach().cpu().contiguous()
+                tensors[f"state.{index}.{key}"] = value
             else:
                 scalars.setdefault(str(index), {})[key] = value
     tensors["rng.torch"] = torch.get_rng_state()
@@ -43,12 +96,14 @@ def save_optimizer(directory: Path, optimizer: torch.optim.Optimizer, param_name
         "param_groups": state["param_groups"],
         "scalar_state": scalars,
     }
-    save_file(tensors, str(directory / TENSORS_FILE))
-    (directory / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
+    return {
+        TENSORS_FILE: TensorFile({name: host_tensor(tensor) for name, tensor in tensors.items()}),
+        METADATA_FILE: (json.dumps(metadata, indent=2) + "\n").encode(),
+    }
 
 
 def load_optimizer(directory: Path, optimizer: torch.optim.Optimizer, param_names: Sequence[str]) -> None:
-    """Restore what :func:`save_optimizer` wrote into ``optimizer`` and the RNG states."""
+    """Restore the files of :func:`optimizer_files` into ``optimizer`` and the RNG states."""
     metadata = json.loads((directory / METADATA_FILE).read_text())
     if metadata.get("format") != FORMAT_VERSION:
         raise ValueError(f"{directory / METADATA_FILE}: unsupported format {metadata.get('format')!r}")

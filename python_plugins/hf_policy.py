@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.utils import logging as transformers_logging
 
-from python_plugins.checkpoint_io import load_optimizer, save_optimizer
+from python_plugins.checkpoint_io import load_optimizer, model_files, optimizer_files
 from python_plugins.engine_runner import EngineRunner
 from python_plugins.sampling import select_tokens
 from python_plugins.shared_prefix import plan_shared_prefixes, shared_prefix_logprobs
@@ -33,6 +33,7 @@ from rollout_sdk import (
     TrainBatch,
 )
 from rollout_sdk.objectives import objective_loss, token_logprobs
+from rollout_sdk.snapshot import TensorFile, write_snapshot
 
 __all__ = ["HFCausalLM"]
 
@@ -338,11 +339,17 @@ class HFCausalLM(Policy):
         for name, value in weights.items():
             params[name].copy_(torch.tensor(np.asarray(value)))
 
+    def snapshot(self) -> dict[str, bytes | TensorFile]:
+        return self._checkpoint_files()
+
     def save(self, directory: str) -> None:
-        root = Path(directory)
-        self.model.save_pretrained(root / "model")
-        self.tokenizer.save_pretrained(root / "model")
-        save_optimizer(root, self.optimizer, [name for name, _ in self.trainable])
+        write_snapshot(self._checkpoint_files(), directory)
+
+    def _checkpoint_files(self) -> dict[str, bytes | TensorFile]:
+        model = model_files(self.model, self.tokenizer)
+        files = {f"model/{name}": content for name, content in model.items()}
+        files.update(optimizer_files(self.optimizer, [name for name, _ in self.trainable]))
+        return files
 
     def load(self, directory: str) -> None:
         root = Path(directory)

@@ -9,6 +9,7 @@ import numpy as np
 
 from rollout_sdk.engine import EngineStep, EngineStepOutput, KvLayout
 from rollout_sdk.plugin import Plugin
+from rollout_sdk.snapshot import Snapshot
 from rollout_sdk.types import Generation, GenerationRequest, SamplingParams, TokenBatch, TrainBatch
 
 __all__ = ["Policy"]
@@ -86,6 +87,16 @@ class Policy(Plugin):
         """Write the model (``directory/model``, loadable by ``from_pretrained``) and optimizer.
 
         Only safetensors and JSON: never pickle. The engine makes the directory atomic.
+        """
+        raise NotImplementedError
+
+    def snapshot(self) -> Snapshot:
+        """The files ``save`` would write: relative path -> ``bytes`` or ``TensorFile``.
+
+        Lets the engine write checkpoints in the background while training goes on: it copies
+        the tensors before this returns (see :mod:`rollout_sdk.snapshot`), so they may view
+        live memory. Raise ``NotImplementedError`` (the default) to have the engine call
+        ``save`` instead, which pauses training meanwhile.
         """
         raise NotImplementedError
 

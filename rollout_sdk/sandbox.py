@@ -1,12 +1,14 @@
-"""A reward sandbox worker: ``python -m rollout_sdk.sandbox``.
+"""A sandbox worker: ``python -m rollout_sdk.sandbox``.
 
-The ``rollout`` binary starts a pool of these processes when ``[sandbox] processes > 0`` and
+The ``rollout`` binary starts pools of these processes when ``[sandbox] processes > 0`` and
 talks to each over its stdin and stdout in JSON lines (never pickle). The first request loads
-the configured reward plugins (the same ``load_plugin`` as in-process); every later request
-scores one sample with every reward. The process applies its own limits: an address-space
-limit (``RLIMIT_AS``) for its whole life and, per call, a CPU-time limit (``RLIMIT_CPU``
-raised to the time used so far plus the budget, so a long-lived worker is not charged for
-earlier calls). Wall-clock timeouts, crashes and restarts are the parent's business.
+the configured reward plugins, or the environment plugin (the same ``load_plugin`` as
+in-process); every later request scores one sample with every reward, or makes one call of
+one episode (the worker keeps each live episode's environment instance by its id). The
+process applies its own limits: an address-space limit (``RLIMIT_AS``) for its whole life
+and, per call, a CPU-time limit (``RLIMIT_CPU`` raised to the time used so far plus the
+budget, so a long-lived worker is not charged for earlier calls). Wall-clock timeouts,
+crashes and restarts are the parent's business.
 
 Requests and answers, one JSON object per line::
 
@@ -19,15 +21,28 @@ Requests and answers, one JSON object per line::
     -> {"op": "failed", "id": 7, "reward": 1, "reason": "raised" | "memory" | "invalid",
         "message": "...", "traceback": "..."}
 
+An environment worker (``"reward": null`` in its ``load_failed`` and ``failed`` answers)::
+
+    {"op": "init", "rewards": [], "environment": {"plugin": "m:C", "options": {...}},
+     "seed": 3, "memory_mb": 0, "cpu_seconds": 0}
+    {"op": "reset", "id": 8, "episode": 41, "record": {...}, "seed": 5}
+    -> {"op": "started", "id": 8, "prompt": "..."}
+    {"op": "step", "id": 9, "episode": 41, "action": "..."}
+    -> {"op": "stepped", "id": 9, "observation": "...", "reward": 0.0, "done": false}
+    {"op": "finish", "id": 10, "episodes": [41]}
+    -> {"op": "finished", "id": 10}
+
 Anything a plugin prints goes to stderr: the protocol has the original stdout to itself.
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import json
 import math
 import os
+import random
 import resource
 import shutil
 import signal
@@ -37,6 +52,7 @@ from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
 from rollout_sdk.config import ConfigError
+from rollout_sdk.environment import Environment
 from rollout_sdk.plugin import load_plugin
 from rollout_sdk.reward import Reward
 from rollout_sdk.types import Sample
@@ -62,10 +78,13 @@ def launch_spec() -> dict[str, Any]:
 
 
 class Worker:
-    """The worker's state: its rewards and limits; answers one request at a time."""
+    """The worker's state: its rewards or environment, live episodes and limits; answers one
+    request at a time."""
 
     def __init__(self) -> None:
         self.rewards: list[Reward] = []
+        self.environment: Environment | None = None
+        self.episodes: dict[int, Environment] = {}
         self.cpu_seconds = 0
 
     def handle(self, request: Mapping[str, Any]) -> dict[str, Any]:
@@ -74,6 +93,18 @@ class Worker:
             return self.init(request)
         if op == "score":
             return self.score(int(request["id"]), request["sample"])
+        if op in ("reset", "step", "finish") and self.environment is None:
+            return {"op": "protocol_error", "message": f"{op!r} needs an environment"}
+        if op == "reset":
+            return self.reset(
+                int(request["id"]), int(request["episode"]), request["record"], int(request["seed"])
+            )
+        if op == "step":
+            return self.step(int(request["id"]), int(request["episode"]), str(request["action"]))
+        if op == "finish":
+            for episode in request["episodes"]:
+                self.episodes.pop(int(episode), None)
+            return {"op": "finished", "id": int(request["id"])}
         return {"op": "protocol_error", "message": f"unknown op {op!r}"}
 
     def init(self, request: Mapping[str, Any]) -> dict[str, Any]:
@@ -82,6 +113,8 @@ class Worker:
             limit = memory_mb * 1024 * 1024
             resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
         self.cpu_seconds = int(request.get("cpu_seconds", 0))
+        if request.get("seed") is not None:
+            _seed_globals(int(request["seed"]))
         for index, reward in enumerate(request["rewards"]):
             try:
                 self.rewards.append(load_plugin(reward["plugin"], reward.get("options") or {}, Reward))
@@ -89,6 +122,14 @@ class Worker:
                 return _load_failed(index, list(err.key), err.reason)
             except BaseException as err:
                 return _load_failed(index, None, _one_line(err), traceback.format_exc())
+        spec = request.get("environment")
+        if spec:
+            try:
+                self.environment = load_plugin(spec["plugin"], spec.get("options") or {}, Environment)
+            except ConfigError as err:
+                return _load_failed(None, list(err.key), err.reason)
+            except BaseException as err:
+                return _load_failed(None, None, _one_line(err), traceback.format_exc())
         return {"op": "ready", "pid": os.getpid()}
 
     def score(self, call_id: int, fields: Mapping[str, Any]) -> dict[str, Any]:
@@ -98,7 +139,7 @@ class Worker:
             record=fields.get("record") or {},
             finish_reason=fields.get("finish_reason", "stop"),
         )
-        self._limit_cpu()
+        self.limit_cpu()
         scores: list[float] = []
         for index, reward in enumerate(self.rewards):
             try:
@@ -113,7 +154,40 @@ class Worker:
             scores.append(score)
         return {"op": "scored", "id": call_id, "scores": scores}
 
-    def _limit_cpu(self) -> None:
+    def reset(self, call_id: int, episode: int, record: Mapping[str, Any], seed: int) -> dict[str, Any]:
+        """A fresh instance of the environment's class (with its ``Config``) for ``episode``."""
+        prototype = self.environment
+        assert prototype is not None
+        self.limit_cpu()
+        try:
+            instance = type(prototype)(prototype.config)
+            prompt = instance.reset(record, seed=seed)
+        except MemoryError as err:
+            return _failed(call_id, None, "memory", _one_line(err), traceback.format_exc())
+        except BaseException as err:
+            return _failed(call_id, None, "raised", _one_line(err), traceback.format_exc())
+        if not isinstance(prompt, str):
+            message = f"reset returned {type(prompt).__name__}; it must return the first prompt as a str"
+            return _failed(call_id, None, "invalid", message)
+        self.episodes[episode] = instance
+        return {"op": "started", "id": call_id, "prompt": prompt}
+
+    def step(self, call_id: int, episode: int, action: str) -> dict[str, Any]:
+        instance = self.episodes.get(episode)
+        if instance is None:
+            return {"op": "protocol_error", "message": f"episode {episode} is not running here"}
+        self.limit_cpu()
+        try:
+            outcome = _step_outcome(instance.step(action))
+        except MemoryError as err:
+            return _failed(call_id, None, "memory", _one_line(err), traceback.format_exc())
+        except BaseException as err:
+            return _failed(call_id, None, "raised", _one_line(err), traceback.format_exc())
+        if isinstance(outcome, str):
+            return _failed(call_id, None, "invalid", outcome)
+        return {"op": "stepped", "id": call_id, **outcome}
+
+    def limit_cpu(self) -> None:
         """This call may use ``cpu_seconds`` more than the process has used so far."""
         if self.cpu_seconds <= 0:
             return
@@ -141,16 +215,48 @@ def _single_finite(result: Any) -> float | str:
     return score
 
 
+def _step_outcome(result: Any) -> dict[str, Any] | str:
+    """``step``'s answer as the protocol's fields, or why it is not a ``StepResult``."""
+    try:
+        observation, reward, done = result.observation, result.reward, result.done
+    except AttributeError:
+        return f"step returned {type(result).__name__}; it must return a rollout_sdk.StepResult"
+    if not isinstance(observation, str):
+        return f"step returned an observation of type {type(observation).__name__}, not str"
+    if isinstance(reward, str | bytes) or not hasattr(reward, "__float__"):
+        return f"step returned a reward of type {type(reward).__name__}, not a float"
+    reward = float(reward)
+    if not math.isfinite(reward):
+        return f"step returned reward {reward}; rewards must be finite"
+    if type(done).__name__ not in ("bool", "bool_"):
+        return f"step returned done of type {type(done).__name__}, not bool"
+    return {"observation": observation, "reward": reward, "done": bool(done)}
+
+
 def _one_line(err: BaseException) -> str:
     text = str(err)
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
-def _load_failed(index: int, key: list[str] | None, message: str, trace: str = "") -> dict[str, Any]:
+def _seed_globals(seed: int) -> None:
+    """Seed Python's and NumPy's global generators as the engine seeds its own interpreter.
+
+    torch's is left alone: importing torch for it would cost a plugin that never uses it
+    seconds and hundreds of MiB of its memory limit.
+    """
+    seed = int(seed) % 2**32
+    random.seed(seed)
+    if importlib.util.find_spec("numpy") is not None:
+        import numpy as np
+
+        np.random.seed(seed)
+
+
+def _load_failed(index: int | None, key: list[str] | None, message: str, trace: str = "") -> dict[str, Any]:
     return {"op": "load_failed", "reward": index, "key": key, "message": message, "traceback": trace}
 
 
-def _failed(call_id: int, index: int, reason: str, message: str, trace: str = "") -> dict[str, Any]:
+def _failed(call_id: int, index: int | None, reason: str, message: str, trace: str = "") -> dict[str, Any]:
     return {
         "op": "failed",
         "id": call_id,

@@ -24,6 +24,7 @@ from rollout_sdk.environment import Environment, StepResult
 from rollout_sdk.plugin import load_plugin
 from rollout_sdk.policy import Policy
 from rollout_sdk.reward import Reward
+from rollout_sdk.snapshot import HostTensor, Snapshot, TensorFile, write_snapshot
 from rollout_sdk.types import (
     GenerationRequest,
     GrpoObjective,
@@ -171,6 +172,10 @@ def check_policy(
     _require(set(before) == set(after), "export_weights names changed after an update")
     _require(any(not np.array_equal(before[k], after[k]) for k in before), "apply_update changed no weight")
 
+    try:
+        snapshot = _copied(policy.snapshot())
+    except NotImplementedError:
+        snapshot = None
     with tempfile.TemporaryDirectory() as directory:
         policy.save(directory)
         policy.import_weights(before)
@@ -183,6 +188,39 @@ def check_policy(
         _require(
             all(np.array_equal(after[k], reloaded[k]) for k in after), "load did not restore saved weights"
         )
+    if snapshot is not None:
+        _check_snapshot(policy, snapshot, before, after)
+
+
+def _copied(snapshot: Snapshot) -> dict[str, bytes | TensorFile]:
+    """What the engine keeps of a snapshot when it returns: every tensor's bytes copied."""
+    return {
+        name: TensorFile(
+            {key: HostTensor(t.dtype, t.shape, bytes(t.data)) for key, t in content.tensors.items()},
+            content.metadata,
+        )
+        if isinstance(content, TensorFile)
+        else content
+        for name, content in snapshot.items()
+    }
+
+
+def _check_snapshot(
+    policy: Policy,
+    snapshot: Snapshot,
+    before: dict[str, np.ndarray],
+    after: dict[str, np.ndarray],
+) -> None:
+    """A snapshot taken at ``after``, written once the weights changed, must load as ``after``."""
+    policy.import_weights(before)
+    with tempfile.TemporaryDirectory() as directory:
+        write_snapshot(snapshot, directory)
+        policy.load(directory)
+    reloaded = policy.export_weights()
+    _require(
+        all(np.array_equal(after[k], reloaded[k]) for k in after),
+        "the files of snapshot() do not load as the weights it was taken at",
+    )
 
 
 def _pad_batch(sequences: Sequence[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:

@@ -119,17 +119,14 @@ def test_callbacks_see_every_hook_and_a_raising_one_is_switched_off(tmp_path: Pa
     assert [line["step"] for line in lines] == [1, 2, 3]
 
     events = jsonl(recording)
-    # SFT ends with a checkpoint (step 0); `[checkpoint] every = 2`, and the run's end.
-    assert [(e["event"], e.get("step")) for e in events] == [
-        ("run_start", None),
-        ("checkpoint", 0),
-        ("step_end", 1),
-        ("step_end", 2),
-        ("checkpoint", 2),
-        ("step_end", 3),
-        ("checkpoint", 3),
-        ("run_end", None),
-    ]
+    order = [(e["event"], e.get("step")) for e in events]
+    assert order[0] == ("run_start", None) and order[-1] == ("run_end", None)
+    assert [step for event, step in order if event == "step_end"] == [1, 2, 3]
+    # SFT ends with a checkpoint (step 0); `[checkpoint] every = 2`, and the run's end. They are
+    # written in the background: each is reported once committed, after its step ended.
+    assert [step for event, step in order if event == "checkpoint"] == [0, 2, 3]
+    for step in (2, 3):
+        assert order.index(("step_end", step)) < order.index(("checkpoint", step))
     start = events[0]
     assert start["total_steps"] == 3 and start["config_steps"] == 3
     assert start["start_step"] == 0
@@ -156,11 +153,9 @@ def test_callbacks_see_every_hook_and_a_raising_one_is_switched_off(tmp_path: Pa
     assert json.loads((out / "summary.json").read_text())["checkpoint"] == end["checkpoint"]
 
     # The raising callback got its first on_step_end and nothing after: it was switched off.
-    assert [(e["event"], e.get("step")) for e in jsonl(failing)] == [
-        ("run_start", None),
-        ("checkpoint", 0),
-        ("step_end", 1),
-    ]
+    failing_events = [(e["event"], e.get("step")) for e in jsonl(failing)]
+    assert failing_events[0] == ("run_start", None) and failing_events[-1] == ("step_end", 1)
+    assert set(failing_events[1:-1]) <= {("checkpoint", 0)}
     errors = [line for line in result.stderr.splitlines() if "ERROR" in line]
     assert len(errors) == 1, result.stderr
     assert "plugin `binary_plugins:FailingHooks`" in errors[0]

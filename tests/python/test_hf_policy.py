@@ -26,7 +26,8 @@ from rollout_sdk import (
     TokenBatch,
     TrainBatch,
 )
-from rollout_sdk.testing import check_policy
+from rollout_sdk.snapshot import write_snapshot
+from rollout_sdk.testing import PluginCheckError, check_policy
 
 
 @pytest.mark.parametrize("model", ["tiny_model_dir", "tiny_gpt2_dir"])
@@ -277,6 +278,51 @@ def test_save_writes_only_safetensors_and_json(tiny_model_dir, tmp_path):
         assert head[:1] != b"\x80" and head != b"PK", f"{path} looks like a pickle or torch zip"
 
 
+def test_written_snapshot_is_what_save_writes(tiny_model_dir, tmp_path):
+    policy = make_policy(tiny_model_dir)
+    policy.train_step(sft_batch(policy, PAIRS))
+    policy.apply_update(LR)
+    write_snapshot(policy.snapshot(), tmp_path / "snapshot")
+    policy.save(str(tmp_path / "saved"))
+    saved = sorted(p.relative_to(tmp_path / "saved") for p in (tmp_path / "saved").rglob("*") if p.is_file())
+    assert saved == sorted(
+        p.relative_to(tmp_path / "snapshot") for p in (tmp_path / "snapshot").rglob("*") if p.is_file()
+    )
+    assert {"model/model.safetensors", "optimizer.safetensors", "model/config.json"} <= {
+        p.as_posix() for p in saved
+    }
+    for name in saved:
+        assert (tmp_path / "saved" / name).read_bytes() == (tmp_path / "snapshot" / name).read_bytes(), name
+
+
+def test_snapshot_tensors_view_the_live_weights_on_cpu(tiny_model_dir):
+    policy = make_policy(tiny_model_dir)
+    model_file = policy.snapshot()["model/model.safetensors"]
+    embedding = model_file.tensors["model.embed_tokens.weight"]
+    assert embedding.dtype == "F32" and embedding.shape == tuple(policy.model.model.embed_tokens.weight.shape)
+    before = bytes(embedding.data)
+    with torch.no_grad():
+        policy.model.model.embed_tokens.weight.add_(1.0)
+    assert bytes(embedding.data) != before, "expected a view: the engine copies it, the policy need not"
+
+
+def test_snapshot_of_tied_embeddings_loads_with_from_pretrained(tiny_gpt2_dir, tmp_path):
+    policy = make_policy(tiny_gpt2_dir)
+    assert policy.model.lm_head.weight.data_ptr() == policy.model.transformer.wte.weight.data_ptr()
+    policy.train_step(sft_batch(policy, PAIRS))
+    policy.apply_update(LR)
+    policy.save(str(tmp_path))
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32).eval()
+    ids = torch.tensor([[3, 4, 5, 6]])
+    policy.model.eval()
+    with torch.no_grad():
+        assert torch.equal(policy.model(ids).logits, reloaded(ids).logits)
+    resumed = make_policy(tiny_gpt2_dir)
+    resumed.load(str(tmp_path))
+    expected, got = policy.export_weights(), resumed.export_weights()
+    assert all(np.array_equal(expected[name], got[name]) for name in expected)
+
+
 def test_import_weights_validates_names_and_shapes(tiny_model_dir):
     policy = make_policy(tiny_model_dir)
     weights = policy.export_weights()
@@ -378,3 +424,10 @@ def test_empty_prompt_is_rejected(tiny_model_dir):
     policy = make_policy(tiny_model_dir)
     with pytest.raises(ValueError, match="empty prompt"):
         policy.generate([GenerationRequest(prompt_ids=np.zeros(0, dtype=np.int64))], SamplingParams())
+
+
+def test_check_policy_rejects_a_snapshot_that_is_not_a_copy(tiny_model_dir):
+    policy = make_policy(tiny_model_dir)
+    policy.snapshot = make_policy(tiny_model_dir).snapshot  # another model's, never trained
+    with pytest.raises(PluginCheckError, match="snapshot"):
+        check_policy(policy, PROMPTS, max_new_tokens=8)

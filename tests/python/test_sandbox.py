@@ -1,4 +1,5 @@
-"""The reward sandbox worker (``python -m rollout_sdk.sandbox``) driven over its JSON-lines protocol."""
+"""The sandbox worker (``python -m rollout_sdk.sandbox``) driven over its JSON-lines protocol, for
+rewards and for environment episodes."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ DEADLINE = 30  # seconds any one exchange may take before the test fails
 
 
 class WorkerProcess:
-    def __init__(self, rewards: list[dict[str, Any]], **limits: int) -> None:
+    def __init__(self, rewards: list[dict[str, Any]], **limits: Any) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(FIXTURES)])}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "rollout_sdk.sandbox"],
@@ -63,7 +64,7 @@ class WorkerProcess:
 def worker_factory():
     started: list[WorkerProcess] = []
 
-    def start(rewards: list[dict[str, Any]], **limits: int) -> WorkerProcess:
+    def start(rewards: list[dict[str, Any]], **limits: Any) -> WorkerProcess:
         worker = WorkerProcess(rewards, **limits)
         started.append(worker)
         return worker
@@ -144,3 +145,114 @@ def test_launch_spec_names_a_python_and_this_path() -> None:
     spec = launch_spec()
     assert Path(spec["program"]).name.startswith("python")
     assert str(REPO) in spec["pythonpath"]
+
+
+# Environments: the worker keeps each live episode's instance by id.
+
+HOSTILE = {"plugin": "sandbox_environments:Hostile", "options": {}}
+
+
+def reset(worker: WorkerProcess, episode: int, record: dict[str, Any], call_id: int = 1) -> dict[str, Any]:
+    return worker.ask({"op": "reset", "id": call_id, "episode": episode, "record": record, "seed": 5})
+
+
+def step(worker: WorkerProcess, episode: int, action: str, call_id: int = 2) -> dict[str, Any]:
+    return worker.ask({"op": "step", "id": call_id, "episode": episode, "action": action})
+
+
+def test_episodes_keep_their_own_state_by_id(worker_factory) -> None:
+    guess = {"plugin": "python_plugins.environments:GuessNumber", "options": {"max_turns": 3}}
+    worker = worker_factory([], environment=guess)
+    assert worker.init["op"] == "ready"
+    started = reset(worker, 2**64 - 1, {"secret": 4}, call_id=3)
+    assert started["op"] == "started" and started["id"] == 3
+    assert started["prompt"].startswith("i am thinking of a number from 1 to 20")
+    assert reset(worker, 7, {"secret": 15})["op"] == "started"
+    assert step(worker, 7, "10", call_id=4) == {
+        "op": "stepped",
+        "id": 4,
+        "observation": "\nhigher.\nguess: ",
+        "reward": 0.0,
+        "done": False,
+    }
+    assert step(worker, 2**64 - 1, "10")["observation"] == "\nlower.\nguess: "
+    correct = step(worker, 7, "15")
+    assert (correct["reward"], correct["done"]) == (1.0, True)
+    assert worker.ask({"op": "finish", "id": 9, "episodes": [7]}) == {"op": "finished", "id": 9}
+    assert step(worker, 7, "1")["op"] == "protocol_error"
+    assert step(worker, 2**64 - 1, "4")["done"] is True
+
+
+def test_an_environment_that_raises_fails_the_call_and_the_worker_goes_on(worker_factory) -> None:
+    worker = worker_factory([], environment=HOSTILE)
+    refused = reset(worker, 1, {"prompt": "12+3=", "answer": "15"}, call_id=6)
+    assert (refused["op"], refused["reason"], refused["id"], refused["reward"]) == (
+        "failed",
+        "raised",
+        6,
+        None,
+    )
+    assert refused["message"] == "ValueError: environment refused record '12+3=' on purpose"
+    assert "in reset" in refused["traceback"]
+    assert reset(worker, 2, {"prompt": "4+4=", "answer": "8"})["prompt"] == "4+4="
+    raised = step(worker, 2, "31")
+    assert (raised["op"], raised["reason"]) == ("failed", "raised")
+    assert "in _misbehave" in raised["traceback"]
+    assert reset(worker, 3, {"prompt": "7+1=", "answer": "8"})["op"] == "started"
+    assert step(worker, 3, "12") == {
+        "op": "stepped",
+        "id": 2,
+        "observation": " 7+1=",
+        "reward": 0.2,
+        "done": False,
+    }
+
+
+def test_wrong_returns_of_an_environment_are_invalid(worker_factory) -> None:
+    worker = worker_factory([], environment=HOSTILE)
+    for episode, action, message in [
+        (1, "junk", "step returned dict; it must return a rollout_sdk.StepResult"),
+        (2, "nan", "step returned reward nan; rewards must be finite"),
+    ]:
+        reset(worker, episode, {"prompt": "p"})
+        failed = step(worker, episode, action)
+        assert (failed["op"], failed["reason"], failed["message"]) == ("failed", "invalid", message)
+
+
+def test_an_environment_out_of_memory_is_reported_as_memory(worker_factory) -> None:
+    worker = worker_factory([], environment=HOSTILE, memory_mb=1024)
+    reset(worker, 1, {"prompt": "p"})
+    failed = step(worker, 1, "oom")
+    assert (failed["op"], failed["reason"]) == ("failed", "memory")
+    assert failed["message"].startswith("MemoryError")
+
+
+def test_os_exit_in_an_environment_ends_the_worker(worker_factory) -> None:
+    worker = worker_factory([], environment=HOSTILE)
+    reset(worker, 1, {"prompt": "p"})
+    assert worker.proc.stdin is not None
+    worker.proc.stdin.write(json.dumps({"op": "step", "id": 1, "episode": 1, "action": "9"}) + "\n")
+    worker.proc.stdin.flush()
+    assert worker.readline() == ""
+    assert worker.proc.wait(DEADLINE) == 1
+
+
+def test_a_bad_environment_option_is_reported_with_its_key(worker_factory) -> None:
+    guess = {"plugin": "python_plugins.environments:GuessNumber", "options": {"low": "one"}}
+    worker = worker_factory([], environment=guess)
+    assert (worker.init["op"], worker.init["reward"], worker.init["key"]) == ("load_failed", None, ["low"])
+
+
+def test_episode_calls_need_an_environment(worker_factory) -> None:
+    worker = worker_factory([{"plugin": "python_plugins.rewards:ExactMatch", "options": {}}])
+    assert reset(worker, 1, {"prompt": "p"})["op"] == "protocol_error"
+
+
+def test_the_seed_seeds_the_global_generators_before_the_environment_loads(worker_factory) -> None:
+    draws = {"plugin": "sandbox_environments:Draws", "options": {}}
+    first = reset(worker_factory([], environment=draws, seed=3), 1, {})["prompt"]
+    again = reset(worker_factory([], environment=draws, seed=3), 1, {})["prompt"]
+    other = reset(worker_factory([], environment=draws, seed=4), 1, {})["prompt"]
+    assert first == again
+    assert first.split()[0] != other.split()[0]
+    assert first.split()[1] == other.split()[1]  # the episode's own seed is the same

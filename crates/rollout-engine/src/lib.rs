@@ -4,6 +4,7 @@
 pub mod cluster;
 pub mod config;
 pub mod engine;
+pub mod environments;
 pub mod generation;
 pub mod local;
 pub mod plugins;

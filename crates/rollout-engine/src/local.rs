@@ -3,11 +3,10 @@
 //! callbacks). `rollout run` uses both; a generation worker or trainer process hosts a
 //! policy; a distributed run's controller hosts the services.
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 
 use rollout_net::messages::{
     GenerateRequest, GenerateResponse, ScoreRequest, ScoreResponse, TrainRequest, TrainResponse,
@@ -17,17 +16,20 @@ use rollout_net::tensor::TensorMeta;
 
 use crate::cluster::weights::{TensorBytes, VersionBuffer};
 use crate::config::{ClusterConfig, LoadedConfig};
+use crate::environments::EpisodeHost;
 use crate::generation::PagedGenerator;
 use crate::plugins::{
-    CallbackSet, DataPlugins, EnvironmentPlugin, Episode, PluginError, PluginLoadError,
-    PolicyPlugin, Record, RewardSet, Sdk, StepOutcome,
+    CallbackSet, DataPlugins, EnvironmentPlugin, PluginError, PluginLoadError, PolicyPlugin,
+    Record, RewardSet, Sdk,
 };
 use crate::python::{PythonError, PythonWorker};
 use crate::roles::{
-    Environments, EpisodeStart, Generator, Learner, Observer, RoleError, RoleFuture, RunStarted,
-    Scorer, Tokenizer,
+    Environments, EpisodeResult, EpisodeStart, Generator, Learner, Observer, RoleError, RoleFuture,
+    RunStarted, SaveWritten, Scorer, StepOutcome, Tokenizer,
 };
+use crate::sandbox::FailureLedger;
 use crate::scoring::Scoring;
+use crate::train::write_files;
 
 impl From<PluginError> for RoleError {
     fn from(err: PluginError) -> Self {
@@ -245,6 +247,27 @@ impl Learner for PolicyHost {
         })
     }
 
+    /// Takes the policy's snapshot on the interpreter and writes it on a blocking thread;
+    /// a policy without `snapshot` saves in the foreground.
+    fn save_in_background(&self, directory: PathBuf) -> RoleFuture<'_, SaveWritten> {
+        let policy = self.policy.clone();
+        boxed(async move {
+            let Some(files) = self.worker.run(move |py| policy.snapshot(py)).await?? else {
+                self.save(directory).await?;
+                return Ok(Box::pin(async { Ok(()) }) as SaveWritten);
+            };
+            let write = tokio::task::spawn_blocking(move || write_files(&directory, &files));
+            Ok(Box::pin(async move {
+                match write.await {
+                    Ok(written) => written.map_err(|err| RoleError::Runtime(err.to_string())),
+                    Err(err) => Err(RoleError::Runtime(format!(
+                        "the checkpoint writer stopped: {err}"
+                    ))),
+                }
+            }) as SaveWritten)
+        })
+    }
+
     fn restore(&self, directory: PathBuf, weight_version: u64) -> RoleFuture<'_, ()> {
         let policy = self.policy.clone();
         boxed(async move {
@@ -312,11 +335,9 @@ impl Tokenizer for PolicyHost {
 pub struct Services {
     worker: Arc<PythonWorker>,
     rewards: Scoring,
-    environment: Option<Arc<EnvironmentPlugin>>,
+    environment: Option<EpisodeHost>,
     callbacks: Arc<CallbackSet>,
     data: Arc<DataPlugins>,
-    /// Live episodes by id. Their Python objects are dropped inside `finish`, on the worker.
-    episodes: Arc<Mutex<HashMap<u64, Episode>>>,
 }
 
 impl Services {
@@ -327,6 +348,7 @@ impl Services {
     ) -> Result<Self, LocalError> {
         let loaded_config = loaded.clone();
         let sandboxed = Scoring::sandboxed(&loaded.config);
+        let environment_sandboxed = EpisodeHost::sandboxed(&loaded.config);
         let (data, rewards, environment, callbacks) = worker
             .run(move |py| -> Result<_, LocalError> {
                 seed_once(py, loaded_config.config.run.seed)?;
@@ -335,19 +357,25 @@ impl Services {
                 let rewards = (!sandboxed)
                     .then(|| RewardSet::load(py, &loaded_config, sdk.clone()))
                     .transpose()?;
-                let environment = EnvironmentPlugin::load(py, &loaded_config)?;
+                let environment = if environment_sandboxed {
+                    None
+                } else {
+                    EnvironmentPlugin::load(py, &loaded_config)?
+                };
                 let callbacks = CallbackSet::load(py, &loaded_config, sdk)?;
                 Ok((data, rewards, environment, callbacks))
             })
             .await??;
-        let rewards = Scoring::new(&worker, loaded, rewards).await?;
+        // Every sample counts once toward the sandbox's failure limits.
+        let ledger = Arc::new(FailureLedger::new(environment_sandboxed));
+        let rewards = Scoring::new(&worker, loaded, rewards, ledger.clone()).await?;
+        let environment = EpisodeHost::new(&worker, loaded, environment, ledger).await?;
         Ok(Services {
             worker,
             rewards,
-            environment: environment.map(Arc::new),
+            environment,
             callbacks: Arc::new(callbacks),
             data: Arc::new(data),
-            episodes: Arc::new(Mutex::new(HashMap::new())),
         })
     }
 
@@ -373,70 +401,34 @@ impl Scorer for Services {
 }
 
 impl Environments for Services {
-    fn start(&self, first_id: u64, starts: Vec<EpisodeStart>) -> RoleFuture<'_, Vec<String>> {
-        let environment = self.environment.clone();
-        let episodes = self.episodes.clone();
+    fn start(
+        &self,
+        first_id: u64,
+        starts: Vec<EpisodeStart>,
+    ) -> RoleFuture<'_, Vec<EpisodeResult<String>>> {
         boxed(async move {
-            let Some(environment) = environment else {
-                return Ok(Vec::new());
-            };
-            Ok(self
-                .worker
-                .run(move |py| {
-                    let mut prompts = Vec::with_capacity(starts.len());
-                    for (offset, start) in starts.into_iter().enumerate() {
-                        let episode = environment.new_episode(py)?;
-                        prompts.push(environment.reset(py, &episode, &start.record, start.seed)?);
-                        if let Ok(mut live) = episodes.lock() {
-                            live.insert(first_id + offset as u64, episode);
-                        }
-                    }
-                    Ok::<_, PluginError>(prompts)
-                })
-                .await??)
+            match &self.environment {
+                Some(host) => host.start(&self.worker, first_id, starts).await,
+                None => Ok(Vec::new()),
+            }
         })
     }
 
-    fn step(&self, actions: Vec<(u64, String)>) -> RoleFuture<'_, Vec<StepOutcome>> {
-        let environment = self.environment.clone();
-        let episodes = self.episodes.clone();
+    fn step(&self, actions: Vec<(u64, String)>) -> RoleFuture<'_, Vec<EpisodeResult<StepOutcome>>> {
         boxed(async move {
-            let Some(environment) = environment else {
-                return Ok(Vec::new());
-            };
-            self.worker
-                .run(move |py| {
-                    let live = episodes
-                        .lock()
-                        .map_err(|_| RoleError::Protocol("the episode table is poisoned".into()))?;
-                    let mut outcomes = Vec::with_capacity(actions.len());
-                    for (id, action) in &actions {
-                        let Some(episode) = live.get(id) else {
-                            return Err(RoleError::Protocol(format!(
-                                "episode {id} is not running"
-                            )));
-                        };
-                        outcomes.push(environment.step(py, episode, action)?);
-                    }
-                    Ok(outcomes)
-                })
-                .await?
+            match &self.environment {
+                Some(host) => host.step(&self.worker, actions).await,
+                None => Ok(Vec::new()),
+            }
         })
     }
 
     fn finish(&self, ids: Vec<u64>) -> RoleFuture<'_, ()> {
-        let episodes = self.episodes.clone();
         boxed(async move {
-            self.worker
-                .run(move |_py| {
-                    if let Ok(mut live) = episodes.lock() {
-                        for id in ids {
-                            live.remove(&id);
-                        }
-                    }
-                })
-                .await?;
-            Ok(())
+            match &self.environment {
+                Some(host) => host.finish(&self.worker, ids).await,
+                None => Ok(()),
+            }
         })
     }
 }

@@ -18,6 +18,10 @@ use rollout_net::messages::{
 
 pub type RoleFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, RoleError>> + Send + 'a>>;
 
+/// Finishes when the files of a checkpoint taken by [`Learner::save_in_background`] are
+/// written.
+pub type SaveWritten = RoleFuture<'static, ()>;
+
 /// Why a role could not do what it was asked: the same for a role in this process and one
 /// on another machine.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -68,6 +72,15 @@ pub trait Learner: Send + Sync {
     fn train(&self, request: TrainRequest) -> RoleFuture<'_, TrainResponse>;
     /// Writes the weights and optimizer state into `directory`.
     fn save(&self, directory: PathBuf) -> RoleFuture<'_, ()>;
+    /// Copies what `save` would write and returns once the copy is taken, so training can
+    /// go on; the files are written into `directory` in the background, until the returned
+    /// [`SaveWritten`] finishes. Saves in the foreground unless the learner can do better.
+    fn save_in_background(&self, directory: PathBuf) -> RoleFuture<'_, SaveWritten> {
+        Box::pin(async move {
+            self.save(directory).await?;
+            Ok(Box::pin(async { Ok(()) }) as SaveWritten)
+        })
+    }
     /// Restores what `save` wrote; the weights become `weight_version`.
     fn restore(&self, directory: PathBuf, weight_version: u64) -> RoleFuture<'_, ()>;
     /// Exports the current weights as a version generators can load, in buckets of
@@ -92,13 +105,41 @@ pub struct EpisodeStart {
     pub seed: u64,
 }
 
-pub use crate::plugins::StepOutcome;
+/// The environment's answer to one turn.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepOutcome {
+    pub observation: String,
+    pub reward: f64,
+    pub done: bool,
+}
+
+/// Why one episode ended early: a call of its (sandboxed) environment raised, hung,
+/// crashed, ran out of memory or answered nonsense, or the process holding its state was
+/// restarted. Only that episode fails; the run goes on.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EpisodeFailure {
+    /// The hook that failed: `reset` or `step`.
+    pub hook: &'static str,
+    pub reason: rollout_net::messages::FailureReason,
+    /// One line: the exception, the timeout, the signal.
+    pub message: String,
+    pub traceback: Option<String>,
+}
+
+/// One episode's answer to a call: failed episodes are not called again (but are finished).
+pub type EpisodeResult<T> = Result<T, EpisodeFailure>;
 
 pub trait Environments: Send + Sync {
     /// Starts episodes and returns their first prompts; episode `i` has id `first_id + i`.
-    fn start(&self, first_id: u64, episodes: Vec<EpisodeStart>) -> RoleFuture<'_, Vec<String>>;
-    fn step(&self, actions: Vec<(u64, String)>) -> RoleFuture<'_, Vec<StepOutcome>>;
-    /// Releases finished episodes.
+    fn start(
+        &self,
+        first_id: u64,
+        episodes: Vec<EpisodeStart>,
+    ) -> RoleFuture<'_, Vec<EpisodeResult<String>>>;
+    /// One outcome per action, in order.
+    fn step(&self, actions: Vec<(u64, String)>) -> RoleFuture<'_, Vec<EpisodeResult<StepOutcome>>>;
+    /// Releases the episodes of `ids` (finished or failed). Fails the run when failed
+    /// episodes pass the configured limits.
     fn finish(&self, ids: Vec<u64>) -> RoleFuture<'_, ()>;
 }
 

@@ -11,7 +11,7 @@ use crate::local::LocalError;
 use crate::plugins::{RewardSet, pool_spec, sandbox_launch, sandbox_load_error};
 use crate::python::PythonWorker;
 use crate::roles::RoleError;
-use crate::sandbox::{SandboxError, SandboxPool};
+use crate::sandbox::{FailureLedger, SandboxError, SandboxPool};
 
 impl From<SandboxError> for RoleError {
     fn from(err: SandboxError) -> Self {
@@ -35,17 +35,19 @@ impl Scoring {
         config.sandbox.processes > 0 && !config.rewards.is_empty()
     }
 
-    /// `in_process` is the loaded reward set, or `None` to start the sandbox pool.
+    /// `in_process` is the loaded reward set, or `None` to start the sandbox pool (adding
+    /// its failures to the run's `ledger`).
     pub async fn new(
         worker: &PythonWorker,
         loaded: &LoadedConfig,
         in_process: Option<RewardSet>,
+        ledger: Arc<FailureLedger>,
     ) -> Result<Self, LocalError> {
         if let Some(rewards) = in_process {
             return Ok(Scoring::InProcess(Arc::new(rewards)));
         }
         let launch = worker.run(sandbox_launch).await??;
-        match SandboxPool::start(pool_spec(loaded, launch)).await {
+        match SandboxPool::start(pool_spec(loaded, launch, ledger)).await {
             Ok(pool) => Ok(Scoring::Sandboxed(Box::new(pool))),
             Err(err) => Err(match sandbox_load_error(loaded, err) {
                 Ok(load) => LocalError::Load(load),

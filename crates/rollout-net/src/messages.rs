@@ -120,10 +120,11 @@ pub struct ScoreResponse {
     pub failed: Vec<ScoreFailure>,
 }
 
-/// A sample that a sandboxed reward could not score.
+/// A sample that a sandboxed reward could not score, or whose episode's sandboxed
+/// environment failed (then `environment` names the hook and no reward scored it).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ScoreFailure {
-    /// The sample's index in the request.
+    /// The sample's index in the request (in the step, for an environment failure).
     pub index: usize,
     pub reason: FailureReason,
     /// One line: the exception, the timeout, the signal.
@@ -131,16 +132,19 @@ pub struct ScoreFailure {
     /// The reward that failed, when known.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reward: Option<String>,
+    /// The environment hook that failed (`reset`, `step`) when the episode failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub environment: Option<String>,
     /// The Python traceback, when the reward raised.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub traceback: Option<String>,
 }
 
-/// Why a sample could not be scored.
+/// Why a sample could not be scored (or its episode could not be played).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FailureReason {
-    /// The reward raised an exception.
+    /// The reward (or environment) raised an exception.
     Raised,
     /// The call ran past its wall-clock timeout or its CPU-time limit.
     Timeout,
@@ -148,17 +152,22 @@ pub enum FailureReason {
     Crashed,
     /// MemoryError, or the process was killed for memory.
     Memory,
-    /// The reward returned something other than one finite float.
+    /// The reward returned something other than one finite float (or the environment
+    /// something other than a prompt or a `StepResult`).
     Invalid,
+    /// Environments only: the sandbox process holding the episode's state was restarted
+    /// after another episode's call failed in it, so the episode could not go on.
+    Restarted,
 }
 
 impl FailureReason {
-    pub const ALL: [FailureReason; 5] = [
+    pub const ALL: [FailureReason; 6] = [
         FailureReason::Raised,
         FailureReason::Timeout,
         FailureReason::Crashed,
         FailureReason::Memory,
         FailureReason::Invalid,
+        FailureReason::Restarted,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -168,6 +177,7 @@ impl FailureReason {
             FailureReason::Crashed => "crashed",
             FailureReason::Memory => "memory",
             FailureReason::Invalid => "invalid",
+            FailureReason::Restarted => "restarted",
         }
     }
 }
@@ -331,6 +341,14 @@ pub enum TokenizerResponse {
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum CheckpointRequest {
     Save {
+        directory: String,
+    },
+    /// Copy the state now (answered then) and write it into `directory` in the background.
+    SaveInBackground {
+        directory: String,
+    },
+    /// Answered once the background write into `directory` finished.
+    Written {
         directory: String,
     },
     Restore {

@@ -148,6 +148,7 @@ fn samples() -> Vec<Frame> {
                     reason: FailureReason::Timeout,
                     message: "timed out after 2 s".into(),
                     reward: Some("exact".into()),
+                    environment: None,
                     traceback: None,
                 }],
             },

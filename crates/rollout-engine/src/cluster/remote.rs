@@ -13,7 +13,7 @@ use rollout_net::messages::{
 };
 use rollout_net::rpc::{Call, RpcClient};
 
-use crate::roles::{Learner, RoleError, RoleFuture};
+use crate::roles::{Learner, RoleError, RoleFuture, SaveWritten};
 
 fn role_error(err: NetError) -> RoleError {
     match err {
@@ -162,6 +162,28 @@ impl Learner for RemoteTrainers {
             done.ok_or_else(|| RoleError::Protocol("no trainer rank".into()))?
                 .await?;
             Ok(())
+        })
+    }
+
+    /// Rank 0 copies its state and answers; `Written` is sent at once, queued behind it, and
+    /// answered when rank 0's writer finishes (rank 0 keeps training meanwhile).
+    fn save_in_background(&self, directory: PathBuf) -> RoleFuture<'_, SaveWritten> {
+        let directory = directory.to_string_lossy().into_owned();
+        let calls = self.ranks.first().map(|rank0| {
+            let copied = send::<_, Done>(
+                rank0,
+                &CheckpointRequest::SaveInBackground {
+                    directory: directory.clone(),
+                },
+            );
+            let written = send::<_, Done>(rank0, &CheckpointRequest::Written { directory });
+            (copied, written)
+        });
+        Box::pin(async move {
+            let (copied, written) =
+                calls.ok_or_else(|| RoleError::Protocol("no trainer rank".into()))?;
+            copied.await?;
+            Ok(Box::pin(async move { written.await.map(drop) }) as SaveWritten)
         })
     }
 

@@ -2,6 +2,7 @@
 //! `rollout worker` ([`super::worker`]): connecting to the controller, receiving the run's
 //! config, loading the policy and answering requests until the controller shuts it down.
 
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -20,7 +21,7 @@ use super::weights::{VersionBuffer, WeightStore};
 use crate::config::{LoadedConfig, load_text};
 use crate::local::PolicyHost;
 use crate::python::{PythonSetup, PythonWorker};
-use crate::roles::{Learner, RoleError};
+use crate::roles::{Learner, RoleError, SaveWritten};
 
 /// How a role process finds the controller and itself.
 #[derive(Debug, Clone)]
@@ -234,6 +235,7 @@ pub async fn run_trainer(args: RoleArgs) -> Result<(), ClusterError> {
             WEIGHT_WAIT,
         );
     }
+    let mut writes = HashMap::new();
     loop {
         let Some(incoming) = server.requests.recv().await else {
             return Err(ClusterError::ControllerLost(server.closed_reason()));
@@ -251,14 +253,7 @@ pub async fn run_trainer(args: RoleArgs) -> Result<(), ClusterError> {
                 let request: CheckpointRequest = incoming
                     .decode()
                     .map_err(|err| bad_request(&incoming, err))?;
-                let done = match request {
-                    CheckpointRequest::Save { directory } => host.save(directory.into()).await,
-                    CheckpointRequest::Restore {
-                        directory,
-                        weight_version,
-                    } => host.restore(directory.into(), weight_version).await,
-                };
-                answer(responder, call, done.map(|()| Done {}));
+                checkpoint(&host, &mut writes, request, responder, call).await;
             }
             MessageKind::PublishWeights => {
                 let request: PublishWeights = incoming
@@ -280,6 +275,47 @@ pub async fn run_trainer(args: RoleArgs) -> Result<(), ClusterError> {
             }
         }
     }
+}
+
+/// Serves a checkpoint request. A background save's writer is kept in `writes` until the
+/// controller asks whether it finished; that answer waits on its own task, so training
+/// requests are served meanwhile.
+async fn checkpoint(
+    host: &PolicyHost,
+    writes: &mut HashMap<String, SaveWritten>,
+    request: CheckpointRequest,
+    responder: &Responder,
+    call: u64,
+) {
+    let done = match request {
+        CheckpointRequest::Save { directory } => host.save(directory.into()).await,
+        CheckpointRequest::Restore {
+            directory,
+            weight_version,
+        } => host.restore(directory.into(), weight_version).await,
+        CheckpointRequest::SaveInBackground { directory } => {
+            match host.save_in_background(directory.clone().into()).await {
+                Ok(written) => {
+                    writes.insert(directory, written);
+                    Ok(())
+                }
+                Err(err) => Err(err),
+            }
+        }
+        CheckpointRequest::Written { directory } => {
+            let Some(written) = writes.remove(&directory) else {
+                let _ = responder.fail(
+                    call,
+                    format!("no checkpoint is being written to {directory}"),
+                );
+                return;
+            };
+            let responder = responder.clone();
+            tokio::spawn(async move { answer(&responder, call, written.await.map(|()| Done {})) });
+            return;
+        }
+    };
+    answer(responder, call, done.map(|()| Done {}));
 }
 
 /// Snapshots the weights: rank 0 keeps the buckets to serve; every rank reports the

@@ -326,11 +326,17 @@ pub struct CheckpointConfig {
     pub every: u64,
     /// Complete checkpoints kept on disk (older ones are deleted).
     pub keep: usize,
+    /// Copy the state at the step boundary and write it while training goes on.
+    pub background: bool,
 }
 
 impl Default for CheckpointConfig {
     fn default() -> Self {
-        Self { every: 0, keep: 2 }
+        Self {
+            every: 0,
+            keep: 2,
+            background: true,
+        }
     }
 }
 
@@ -413,8 +419,10 @@ impl Default for ClusterConfig {
     }
 }
 
-/// Reward isolation: `[[rewards]]` scored in a pool of worker processes, one sample per call,
-/// so a reward that raises, hangs, crashes or runs out of memory costs a sample, not the run.
+/// Plugin isolation: `[[rewards]]` scored in a pool of worker processes, one sample per call,
+/// so a reward that raises, hangs, crashes or runs out of memory costs a sample, not the run;
+/// and (`environments`) the `[environment]`'s episodes played in a pool of their own, so a
+/// failing `reset` or `step` costs its episode.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct SandboxConfig {
@@ -433,6 +441,9 @@ pub struct SandboxConfig {
     pub max_failed_fraction: f64,
     /// The run ends when more than this fraction of one step's samples failed.
     pub max_failed_fraction_per_step: f64,
+    /// With `processes > 0`, play the `[environment]`'s episodes in sandbox processes too
+    /// (`processes` more of them); `false` keeps them in the embedded interpreter.
+    pub environments: bool,
 }
 
 impl Default for SandboxConfig {
@@ -445,6 +456,7 @@ impl Default for SandboxConfig {
             cpu_seconds: 0,
             max_failed_fraction: 0.25,
             max_failed_fraction_per_step: 0.5,
+            environments: true,
         }
     }
 }

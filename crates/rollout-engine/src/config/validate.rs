@@ -162,6 +162,11 @@ pub fn validate(loaded: &LoadedConfig) -> Result<(), ConfigError> {
         "sandbox.max_failed_fraction",
         "must be in [0, 1]",
     )?;
+    check(
+        (0.0..=1.0).contains(&sandbox.max_failed_fraction_per_step),
+        "sandbox.max_failed_fraction_per_step",
+        "must be in [0, 1]",
+    )?;
     if config.rewards.is_empty() && config.environment.is_none() {
         return Err(loaded.error_at(
             &KeyPath::default(),

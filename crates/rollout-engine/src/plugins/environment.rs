@@ -5,6 +5,7 @@ use pyo3::prelude::*;
 use super::{PluginError, PluginLoadError, PluginRef};
 use crate::config::{KeyPath, LoadedConfig};
 use crate::python::convert::json_to_py;
+use crate::roles::StepOutcome;
 
 /// The configured environment; `prototype` is the instance `rollout check` builds, and every
 /// episode gets a fresh instance of its class with the same `Config`.
@@ -14,14 +15,6 @@ pub struct EnvironmentPlugin {
 
 /// An episode's environment instance.
 pub struct Episode(Py<PyAny>);
-
-/// The environment's answer to one turn.
-#[derive(Debug, Clone, PartialEq)]
-pub struct StepOutcome {
-    pub observation: String,
-    pub reward: f64,
-    pub done: bool,
-}
 
 impl EnvironmentPlugin {
     pub fn load(py: Python<'_>, loaded: &LoadedConfig) -> Result<Option<Self>, PluginLoadError> {

@@ -9,6 +9,7 @@ mod policy;
 mod policy_weights;
 mod reward;
 mod sandboxed;
+mod snapshot;
 
 use std::fmt;
 use std::sync::Arc;
@@ -21,10 +22,10 @@ use crate::python::convert::table_to_py;
 
 pub use callbacks::CallbackSet;
 pub use data::{DataPlugins, Record};
-pub use environment::{EnvironmentPlugin, Episode, StepOutcome};
+pub use environment::{EnvironmentPlugin, Episode};
 pub use policy::{KvLayout, PolicyPlugin};
 pub use reward::RewardSet;
-pub use sandboxed::{pool_spec, sandbox_launch, sandbox_load_error};
+pub use sandboxed::{environment_pool_spec, pool_spec, sandbox_launch, sandbox_load_error};
 
 /// Why a plugin hook failed: it raised, or it returned something that breaks the contract.
 #[derive(Debug)]

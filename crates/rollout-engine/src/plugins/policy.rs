@@ -16,6 +16,7 @@ use super::{PluginError, PluginLoadError, PluginRef, Sdk};
 use crate::config::{KeyPath, LoadedConfig};
 use crate::engine::{StepOutcome, StepPlan};
 use crate::python::convert::py_to_json;
+use crate::train::SnapshotFiles;
 
 /// The cache geometry a policy reports (`rollout_sdk.KvLayout`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -569,6 +570,21 @@ impl PolicyPlugin {
 
     pub fn save(&self, py: Python<'_>, directory: &Path) -> Result<(), PluginError> {
         self.plugin.call(py, "save", (directory,)).map(drop)
+    }
+
+    /// The files `save` would write, copied now, or `None` when the policy cannot
+    /// snapshot (its `snapshot` raises `NotImplementedError`).
+    pub fn snapshot(&self, py: Python<'_>) -> Result<Option<SnapshotFiles>, PluginError> {
+        let hook = "snapshot";
+        match self.plugin.object.bind(py).call_method0(hook) {
+            Ok(files) => super::snapshot::copy_files(&files)
+                .map(Some)
+                .map_err(|reason| self.plugin.bad_return(hook, reason)),
+            Err(err) if err.is_instance_of::<pyo3::exceptions::PyNotImplementedError>(py) => {
+                Ok(None)
+            }
+            Err(err) => Err(self.plugin.raised(py, hook, &err)),
+        }
     }
 
     pub fn load_state(&self, py: Python<'_>, directory: &Path) -> Result<(), PluginError> {

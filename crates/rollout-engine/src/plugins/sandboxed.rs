@@ -1,14 +1,17 @@
-//! Rewards in the sandbox pool: how its workers are started (the embedded interpreter's
-//! executable and `sys.path`, so plugins resolve as they do in-process) and how a reward that
-//! fails to load there is reported (located in the config, like an in-process one).
+//! Rewards and the environment in the sandbox pools: how their workers are started (the
+//! embedded interpreter's executable and `sys.path`, so plugins resolve as they do
+//! in-process) and how a plugin that fails to load there is reported (located in the
+//! config, like an in-process one).
+
+use std::sync::Arc;
 
 use pyo3::prelude::*;
 
 use super::{PluginError, PluginFailure, PluginLoadError};
 use crate::config::{KeyPath, LoadedConfig, Segment, reward_name};
 use crate::python::PythonError;
-use crate::sandbox::protocol::{RewardSpec, table_to_json};
-use crate::sandbox::{Launch, PoolSpec, SandboxError};
+use crate::sandbox::protocol::{EnvironmentSpec, RewardSpec, table_to_json};
+use crate::sandbox::{EnvironmentPoolSpec, FailureLedger, Launch, PoolSpec, SandboxError};
 
 /// `python -m rollout_sdk.sandbox` with this interpreter's executable and `sys.path`.
 pub fn sandbox_launch(py: Python<'_>) -> Result<Launch, PythonError> {
@@ -36,7 +39,7 @@ pub fn sandbox_launch(py: Python<'_>) -> Result<Launch, PythonError> {
 }
 
 /// The pool for the config's `[[rewards]]` and `[sandbox]`.
-pub fn pool_spec(loaded: &LoadedConfig, launch: Launch) -> PoolSpec {
+pub fn pool_spec(loaded: &LoadedConfig, launch: Launch, ledger: Arc<FailureLedger>) -> PoolSpec {
     let config = &loaded.config;
     PoolSpec {
         launch,
@@ -51,11 +54,33 @@ pub fn pool_spec(loaded: &LoadedConfig, launch: Launch) -> PoolSpec {
         names: config.rewards.iter().map(reward_name).collect(),
         weights: config.rewards.iter().map(|reward| reward.weight).collect(),
         config: config.sandbox.clone(),
+        ledger,
     }
 }
 
-/// A reward that failed to load in a worker, as the same error an in-process load gives: a
-/// bad option points at its line, anything else names the plugin with its traceback.
+/// The pool for the config's `[environment]` and `[sandbox]`, if it has an environment.
+pub fn environment_pool_spec(
+    loaded: &LoadedConfig,
+    launch: Launch,
+    ledger: Arc<FailureLedger>,
+) -> Option<EnvironmentPoolSpec> {
+    let config = &loaded.config;
+    let environment = config.environment.as_ref()?;
+    Some(EnvironmentPoolSpec {
+        launch,
+        environment: EnvironmentSpec {
+            plugin: environment.plugin.clone(),
+            options: table_to_json(&environment.options),
+        },
+        seed: config.run.seed,
+        config: config.sandbox.clone(),
+        ledger,
+    })
+}
+
+/// A reward (or the environment) that failed to load in a worker, as the same error an
+/// in-process load gives: a bad option points at its line, anything else names the plugin
+/// with its traceback.
 pub fn sandbox_load_error(
     loaded: &LoadedConfig,
     err: SandboxError,
@@ -69,12 +94,18 @@ pub fn sandbox_load_error(
     else {
         return Err(err);
     };
-    let spec = loaded
-        .config
-        .rewards
-        .get(reward)
-        .map_or_else(String::new, |r| r.plugin.clone());
-    let table = KeyPath::default().key("rewards").index(reward);
+    let config = &loaded.config;
+    let (spec, table) = match reward {
+        Some(reward) => (
+            config.rewards.get(reward).map(|r| r.plugin.clone()),
+            KeyPath::default().key("rewards").index(reward),
+        ),
+        None => (
+            config.environment.as_ref().map(|e| e.plugin.clone()),
+            KeyPath::default().key("environment"),
+        ),
+    };
+    let spec = spec.unwrap_or_default();
     if let Some(option_path) = key {
         let mut path = table.key("options");
         path.0.extend(

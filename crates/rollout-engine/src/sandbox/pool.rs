@@ -2,7 +2,7 @@
 //! call; failed samples are collected, broken workers replaced, and the failure fractions
 //! checked against the limits.
 
-use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
@@ -12,6 +12,7 @@ use rollout_net::messages::{
 };
 
 use super::SandboxError;
+use super::limits::{FailureCounts, FailureLedger, check_limits, describe, reason_counts};
 use super::protocol::{Request, RewardSpec};
 use super::worker::{Launch, Outcome, SampleFailure, SandboxWorker};
 use crate::config::SandboxConfig;
@@ -25,19 +26,13 @@ pub struct PoolSpec {
     pub names: Vec<String>,
     pub weights: Vec<f64>,
     pub config: SandboxConfig,
-}
-
-/// Samples scored and failed.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct FailureCounts {
-    pub total: u64,
-    pub failed: u64,
+    /// The run's failure counts, shared with the environment pool.
+    pub ledger: Arc<FailureLedger>,
 }
 
 struct PoolState {
     /// A slot is empty after its worker was killed; it is refilled when next needed.
     slots: Vec<Option<SandboxWorker>>,
-    run: FailureCounts,
 }
 
 pub struct SandboxPool {
@@ -51,15 +46,14 @@ impl SandboxPool {
     pub async fn start(spec: PoolSpec) -> Result<Self, SandboxError> {
         let init = serde_json::to_string(&Request::Init {
             rewards: &spec.rewards,
+            environment: None,
+            seed: None,
             memory_mb: spec.config.memory_mb,
             cpu_seconds: spec.config.cpu_seconds,
         })
         .map_err(|err| SandboxError::Protocol(err.to_string()))?;
         let pool = SandboxPool {
-            state: tokio::sync::Mutex::new(PoolState {
-                slots: Vec::new(),
-                run: FailureCounts::default(),
-            }),
+            state: tokio::sync::Mutex::new(PoolState { slots: Vec::new() }),
             spec,
             init,
         };
@@ -97,8 +91,8 @@ impl SandboxPool {
             total: request.samples.len() as u64,
             failed: response.failed.len() as u64,
         };
-        state.run.total += counts.total;
-        state.run.failed += counts.failed;
+        drop(state);
+        let run = self.spec.ledger.add_scored(counts);
         if !response.failed.is_empty() {
             tracing::warn!(
                 "rewards failed on {} of {} samples ({}); first: {}",
@@ -108,7 +102,7 @@ impl SandboxPool {
                 describe(&response.failed[0])
             );
         }
-        self.check(counts, state.run, &response.failed)?;
+        check_limits(&self.spec.config, Some(counts), Some(run), &response.failed)?;
         Ok(response)
     }
 
@@ -180,6 +174,7 @@ impl SandboxPool {
                     reason: failure.reason,
                     message: failure.message,
                     reward: failure.reward.and_then(|r| self.spec.names.get(r).cloned()),
+                    environment: None,
                     traceback: failure.traceback,
                 }),
             }
@@ -226,73 +221,6 @@ impl SandboxPool {
             },
         }
     }
-
-    fn check(
-        &self,
-        step: FailureCounts,
-        run: FailureCounts,
-        failed: &[ScoreFailure],
-    ) -> Result<(), SandboxError> {
-        let config = &self.spec.config;
-        let limits = [
-            (
-                step,
-                "in this step",
-                "max_failed_fraction_per_step",
-                config.max_failed_fraction_per_step,
-            ),
-            (
-                run,
-                "so far in the run",
-                "max_failed_fraction",
-                config.max_failed_fraction,
-            ),
-        ];
-        for (counts, scope, key, limit) in limits {
-            if counts.failed as f64 > limit * counts.total as f64 {
-                return Err(SandboxError::TooManyFailures {
-                    failed: counts.failed,
-                    total: counts.total,
-                    scope,
-                    key,
-                    limit,
-                    reasons: format!("this step: {}", reason_counts(failed)),
-                    last: failed.last().map(describe).unwrap_or_else(|| "none".into()),
-                });
-            }
-        }
-        Ok(())
-    }
-}
-
-/// "2 timeout, 1 raised".
-fn reason_counts(failed: &[ScoreFailure]) -> String {
-    let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
-    for failure in failed {
-        *counts.entry(failure.reason.as_str()).or_default() += 1;
-    }
-    if counts.is_empty() {
-        return "none failed".into();
-    }
-    counts
-        .iter()
-        .map(|(reason, count)| format!("{count} {reason}"))
-        .collect::<Vec<_>>()
-        .join(", ")
-}
-
-fn describe(failure: &ScoreFailure) -> String {
-    let reward = failure
-        .reward
-        .as_deref()
-        .map(|name| format!(" (reward `{name}`)"))
-        .unwrap_or_default();
-    format!(
-        "sample {}{reward}: {}: {}",
-        failure.index,
-        failure.reason.as_str(),
-        failure.message
-    )
 }
 
 #[cfg(test)]

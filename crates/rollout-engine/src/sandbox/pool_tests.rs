@@ -51,6 +51,7 @@ fn spec(processes: usize, plugin: &str) -> PoolSpec {
             max_failed_fraction_per_step: 1.0,
             ..SandboxConfig::default()
         },
+        ledger: std::sync::Arc::default(),
     }
 }
 
@@ -177,7 +178,7 @@ async fn a_reward_that_fails_to_load_fails_the_start_with_its_option() {
             message,
             ..
         } => {
-            assert_eq!(reward, 0);
+            assert_eq!(reward, Some(0));
             assert_eq!(key, Some(vec!["pattern".to_owned()]));
             assert_eq!(message, "bad regex");
         }

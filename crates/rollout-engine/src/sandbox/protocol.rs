@@ -1,5 +1,6 @@
-//! The JSON-lines protocol between the pool and `python -m rollout_sdk.sandbox`: one JSON
-//! object per line each way, one request at a time (see `rollout_sdk/sandbox.py`).
+//! The JSON-lines protocol between the pools and `python -m rollout_sdk.sandbox`: one JSON
+//! object per line each way, one request at a time (see `rollout_sdk/sandbox.py`). A
+//! worker either scores samples with rewards or hosts episodes of an environment.
 
 use rollout_net::messages::ScoreSample;
 use serde::{Deserialize, Serialize};
@@ -11,17 +12,46 @@ pub struct RewardSpec {
     pub options: serde_json::Value,
 }
 
+/// The environment a worker hosts episodes of (a worker for rewards loads none).
+#[derive(Debug, Clone, Serialize)]
+pub struct EnvironmentSpec {
+    pub plugin: String,
+    pub options: serde_json::Value,
+}
+
 #[derive(Debug, Serialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum Request<'a> {
     Init {
         rewards: &'a [RewardSpec],
+        #[serde(skip_serializing_if = "Option::is_none")]
+        environment: Option<&'a EnvironmentSpec>,
+        /// Seeds the worker's global random generators before the plugins load.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        seed: Option<u64>,
         memory_mb: u64,
         cpu_seconds: u64,
     },
     Score {
         id: u64,
         sample: &'a ScoreSample,
+    },
+    /// A fresh environment instance for `episode`, reset with the record and seed.
+    Reset {
+        id: u64,
+        episode: u64,
+        record: &'a serde_json::Value,
+        seed: u64,
+    },
+    Step {
+        id: u64,
+        episode: u64,
+        action: &'a str,
+    },
+    /// Drops the instances of `episodes`.
+    Finish {
+        id: u64,
+        episodes: &'a [u64],
     },
 }
 
@@ -42,8 +72,10 @@ pub enum Answer {
         #[serde(default)]
         pid: Option<u32>,
     },
+    /// `reward` is `None` when the environment failed to load.
     LoadFailed {
-        reward: usize,
+        #[serde(default)]
+        reward: Option<usize>,
         #[serde(default)]
         key: Option<Vec<String>>,
         message: String,
@@ -55,14 +87,33 @@ pub enum Answer {
         id: Option<u64>,
         scores: Vec<f64>,
     },
+    /// The call failed in the plugin; `reward` names the reward (none for an environment).
     Failed {
         #[serde(default)]
         id: Option<u64>,
-        reward: usize,
+        #[serde(default)]
+        reward: Option<usize>,
         reason: RaisedKind,
         message: String,
         #[serde(default)]
         traceback: String,
+    },
+    /// An episode's first prompt.
+    Started {
+        #[serde(default)]
+        id: Option<u64>,
+        prompt: String,
+    },
+    Stepped {
+        #[serde(default)]
+        id: Option<u64>,
+        observation: String,
+        reward: f64,
+        done: bool,
+    },
+    Finished {
+        #[serde(default)]
+        id: Option<u64>,
     },
     ProtocolError {
         message: String,
@@ -73,7 +124,11 @@ impl Answer {
     /// The call id the answer names, if any (a worker may leave it out).
     pub fn id(&self) -> Option<u64> {
         match self {
-            Answer::Scored { id, .. } | Answer::Failed { id, .. } => *id,
+            Answer::Scored { id, .. }
+            | Answer::Failed { id, .. }
+            | Answer::Started { id, .. }
+            | Answer::Stepped { id, .. }
+            | Answer::Finished { id } => *id,
             _ => None,
         }
     }
@@ -123,10 +178,48 @@ mod tests {
             failed,
             Answer::Failed {
                 reason: RaisedKind::Memory,
-                reward: 1,
+                reward: Some(1),
                 ..
             }
         ));
+    }
+
+    #[test]
+    fn environment_requests_and_answers_have_their_shape() {
+        let record = serde_json::json!({"secret": 3});
+        let reset = Request::Reset {
+            id: 4,
+            episode: u64::MAX,
+            record: &record,
+            seed: 7,
+        };
+        assert_eq!(
+            serde_json::to_value(&reset).unwrap(),
+            serde_json::json!({"op": "reset", "id": 4, "episode": u64::MAX,
+                               "record": {"secret": 3}, "seed": 7})
+        );
+        let init = Request::Init {
+            rewards: &[],
+            environment: None,
+            seed: None,
+            memory_mb: 0,
+            cpu_seconds: 0,
+        };
+        let text = serde_json::to_string(&init).unwrap();
+        assert!(
+            !text.contains("environment") && !text.contains("seed"),
+            "{text}"
+        );
+        let stepped: Answer = serde_json::from_str(
+            r#"{"op":"stepped","id":2,"observation":"o","reward":0.5,"done":true}"#,
+        )
+        .unwrap();
+        assert_eq!(stepped.id(), Some(2));
+        let failed: Answer = serde_json::from_str(
+            r#"{"op":"failed","id":5,"reason":"raised","message":"ValueError"}"#,
+        )
+        .unwrap();
+        assert!(matches!(failed, Answer::Failed { reward: None, .. }));
     }
 
     #[test]

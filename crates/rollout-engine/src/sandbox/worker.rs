@@ -24,7 +24,7 @@ pub struct Launch {
     pub env: Vec<(String, String)>,
 }
 
-/// A sample a worker could not score.
+/// A sample a worker could not score, or an environment call that failed.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SampleFailure {
     pub reason: FailureReason,
@@ -120,67 +120,49 @@ impl SandboxWorker {
 
     /// Scores `sample` with every reward, within `timeout`.
     pub async fn score(&mut self, sample: &ScoreSample, timeout: Duration) -> Outcome {
+        match self.call(|id| Request::Score { id, sample }, timeout).await {
+            Ok(Answer::Scored { scores, .. }) => Outcome::Scored(scores),
+            Ok(other) => unexpected(&other).into(),
+            Err(failure) => failure.into(),
+        }
+    }
+
+    /// Sends the request `make` builds for the next call id and reads its answer, within
+    /// `timeout`. A `failed` answer, a timeout, a dead worker or a protocol violation is a
+    /// [`CallFailure`]; it says whether the worker must be replaced.
+    pub async fn call<'r>(
+        &mut self,
+        make: impl FnOnce(u64) -> Request<'r>,
+        timeout: Duration,
+    ) -> Result<Answer, CallFailure> {
         self.next_id += 1;
         let id = self.next_id;
-        let line = match serde_json::to_string(&Request::Score { id, sample }) {
+        let line = match serde_json::to_string(&make(id)) {
             Ok(line) => line,
-            Err(err) => return failed(FailureReason::Crashed, format!("cannot encode: {err}")),
+            Err(err) => {
+                return Err(broken(
+                    FailureReason::Crashed,
+                    format!("cannot encode: {err}"),
+                ));
+            }
         };
         match tokio::time::timeout(timeout, self.exchange(&line)).await {
-            Err(_) => failed(
+            Err(_) => Err(broken(
                 FailureReason::Timeout,
                 format!(
                     "timed out after {} s (sandbox.timeout_seconds)",
                     timeout.as_secs_f64()
                 ),
-            ),
-            Ok(Ok(answer)) => self.outcome(id, answer),
+            )),
+            Ok(Ok(answer)) => checked(id, answer),
             Ok(Err(SandboxError::Closed | SandboxError::Io(_))) => {
                 let (reason, message) = classify_exit(self.reap().await);
-                failed(reason, message)
+                Err(broken(reason, message))
             }
             Ok(Err(err)) => {
                 self.kill_group();
-                failed(FailureReason::Crashed, err.to_string())
+                Err(broken(FailureReason::Crashed, err.to_string()))
             }
-        }
-    }
-
-    fn outcome(&self, id: u64, answer: Answer) -> Outcome {
-        if answer.id().is_some_and(|answered| answered != id) {
-            return failed(
-                FailureReason::Crashed,
-                format!("protocol: answer for call {:?}, expected {id}", answer.id()),
-            );
-        }
-        match answer {
-            Answer::Scored { scores, .. } => Outcome::Scored(scores),
-            Answer::Failed {
-                reward,
-                reason,
-                message,
-                traceback,
-                ..
-            } => {
-                let (reason, replace) = match reason {
-                    RaisedKind::Raised => (FailureReason::Raised, false),
-                    RaisedKind::Invalid => (FailureReason::Invalid, false),
-                    RaisedKind::Memory => (FailureReason::Memory, true),
-                };
-                Outcome::Failed {
-                    failure: SampleFailure {
-                        reason,
-                        message,
-                        reward: Some(reward),
-                        traceback: Some(traceback).filter(|t| !t.is_empty()),
-                    },
-                    replace,
-                }
-            }
-            other => failed(
-                FailureReason::Crashed,
-                format!("protocol: unexpected answer {other:?}"),
-            ),
         }
     }
 
@@ -244,8 +226,22 @@ impl Drop for SandboxWorker {
     }
 }
 
-fn failed(reason: FailureReason, message: String) -> Outcome {
-    Outcome::Failed {
+/// A call that failed; `replace` says the worker is gone or must not be trusted again.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CallFailure {
+    pub failure: SampleFailure,
+    pub replace: bool,
+}
+
+impl From<CallFailure> for Outcome {
+    fn from(CallFailure { failure, replace }: CallFailure) -> Self {
+        Outcome::Failed { failure, replace }
+    }
+}
+
+/// A failure after which the worker is replaced.
+fn broken(reason: FailureReason, message: String) -> CallFailure {
+    CallFailure {
         failure: SampleFailure {
             reason,
             message,
@@ -253,6 +249,53 @@ fn failed(reason: FailureReason, message: String) -> Outcome {
             traceback: None,
         },
         replace: true,
+    }
+}
+
+/// An answer the caller did not expect for its request: the worker is replaced.
+pub fn unexpected(answer: &Answer) -> CallFailure {
+    broken(
+        FailureReason::Crashed,
+        format!("protocol: unexpected answer {answer:?}"),
+    )
+}
+
+/// The answer to call `id`, with a plugin's `failed` answer as a [`CallFailure`].
+fn checked(id: u64, answer: Answer) -> Result<Answer, CallFailure> {
+    if answer.id().is_some_and(|answered| answered != id) {
+        return Err(broken(
+            FailureReason::Crashed,
+            format!("protocol: answer for call {:?}, expected {id}", answer.id()),
+        ));
+    }
+    match answer {
+        Answer::Failed {
+            reward,
+            reason,
+            message,
+            traceback,
+            ..
+        } => {
+            let (reason, replace) = match reason {
+                RaisedKind::Raised => (FailureReason::Raised, false),
+                RaisedKind::Invalid => (FailureReason::Invalid, false),
+                RaisedKind::Memory => (FailureReason::Memory, true),
+            };
+            Err(CallFailure {
+                failure: SampleFailure {
+                    reason,
+                    message,
+                    reward,
+                    traceback: Some(traceback).filter(|t| !t.is_empty()),
+                },
+                replace,
+            })
+        }
+        Answer::ProtocolError { message } => Err(broken(
+            FailureReason::Crashed,
+            format!("protocol: the worker refused the request: {message}"),
+        )),
+        other => Ok(other),
     }
 }
 

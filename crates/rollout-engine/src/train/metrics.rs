@@ -35,8 +35,13 @@ impl MetricsLog {
     pub fn append(&mut self, metrics: &serde_json::Value) -> std::io::Result<()> {
         let mut line = serde_json::to_vec(metrics)?;
         line.push(b'\n');
-        self.file.write_all(&line)?;
-        self.file.flush()
+        let before = self.file.metadata()?.len();
+        let written = self.file.write_all(&line).and_then(|()| self.file.flush());
+        if written.is_err() {
+            // A full disk must not leave half a line behind for readers to trip on.
+            let _ = self.file.set_len(before);
+        }
+        written
     }
 }
 

@@ -14,8 +14,12 @@ mod metrics;
 mod pipeline;
 mod sampler;
 mod sft;
+mod snapshot;
 mod state;
 mod step_report;
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+mod tests;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -41,6 +45,7 @@ pub use batching::{pack_by_token_budget, padded_tokens};
 pub use checkpoint::{Checkpoint, CheckpointError, CheckpointStore, verify};
 pub use cursor::{DataCursor, mix};
 pub use metrics::MetricsLog;
+pub use snapshot::{HostTensor, SnapshotFile, SnapshotFiles, write_files};
 pub use state::{DataPosition, RunState};
 
 #[derive(Debug, thiserror::Error)]
@@ -128,6 +133,24 @@ pub struct Controller<'a> {
     state: RunState,
     interrupted: Arc<AtomicBool>,
     last_checkpoint: Option<PathBuf>,
+    /// The checkpoint being written in the background, if any.
+    writing: Option<CheckpointWrite>,
+    checkpoint_times: CheckpointTimes,
+}
+
+/// A checkpoint whose state was copied and whose files are being written and committed.
+struct CheckpointWrite {
+    step: u64,
+    started: Instant,
+    commit: tokio::task::JoinHandle<Result<PathBuf, RunError>>,
+}
+
+/// How long checkpoints held training up, and how long they took to reach the disk.
+#[derive(Debug, Clone, Copy, Default)]
+struct CheckpointTimes {
+    written: u64,
+    blocked_seconds: f64,
+    write_seconds: f64,
 }
 
 impl<'a> Controller<'a> {
@@ -155,6 +178,8 @@ impl<'a> Controller<'a> {
             state: RunState::new(config.run.seed),
             interrupted,
             last_checkpoint: None,
+            writing: None,
+            checkpoint_times: CheckpointTimes::default(),
         }
     }
 
@@ -170,6 +195,34 @@ impl<'a> Controller<'a> {
         } else {
             false
         };
+        let trained = self.train(resumed, started).await;
+        if let Err(err) = self.checkpoint_settled().await {
+            if trained.is_ok() {
+                return Err(err);
+            }
+            tracing::warn!("the checkpoint being written when the run failed is lost: {err}");
+        }
+        trained?;
+        let checkpoint_is_current = self
+            .last_checkpoint
+            .as_ref()
+            .is_some_and(|dir| dir.ends_with(format!("step-{:08}", self.state.step)));
+        if !checkpoint_is_current && (self.state.step > 0 || self.state.sft_step > 0) {
+            self.checkpoint().await?;
+            self.checkpoint_settled().await?;
+        }
+        let summary = self.summary(started);
+        self.write_summary(&summary)?;
+        if self.stopping() {
+            return Err(RunError::Interrupted {
+                checkpoint: self.last_checkpoint.clone(),
+            });
+        }
+        Ok(summary)
+    }
+
+    /// The warm start, if any, and the RL steps, checkpointing when due.
+    async fn train(&mut self, resumed: bool, started: Instant) -> Result<(), RunError> {
         let mut metrics = MetricsLog::open(
             &self.output("metrics.jsonl"),
             resumed.then_some(self.state.step),
@@ -279,27 +332,13 @@ impl<'a> Controller<'a> {
                 .append(&line)
                 .map_err(|source| io_error("cannot write", metrics.path(), source))?;
             self.roles.observer.step_ended(step, line).await;
+            self.reap_checkpoint().await?;
             let every = self.config.checkpoint.every;
             if every > 0 && step % every == 0 {
                 self.checkpoint().await?;
             }
         }
-        pipeline.finish_loading().await?;
-        let checkpoint_is_current = self
-            .last_checkpoint
-            .as_ref()
-            .is_some_and(|dir| dir.ends_with(format!("step-{:08}", self.state.step)));
-        if !checkpoint_is_current && (self.state.step > 0 || self.state.sft_step > 0) {
-            self.checkpoint().await?;
-        }
-        let summary = self.summary(started);
-        self.write_summary(&summary)?;
-        if self.stopping() {
-            return Err(RunError::Interrupted {
-                checkpoint: self.last_checkpoint.clone(),
-            });
-        }
-        Ok(summary)
+        Ok(pipeline.finish_loading().await?)
     }
 
     /// Versions a trained sample may lag: 0 unless generators hold their own weights.
@@ -414,17 +453,79 @@ impl<'a> Controller<'a> {
         Ok(true)
     }
 
+    /// Checkpoints the current step. In the background (the default), the learner copies its
+    /// state and training goes on while the files are written and committed; the previous
+    /// background checkpoint is waited for first, so at most one is in flight.
     async fn checkpoint(&mut self) -> Result<(), RunError> {
-        let pending = self.store.begin(self.state.step)?;
-        self.roles.learner.save(pending.policy_dir()).await?;
-        let dir = self.store.commit(pending, &self.state)?;
-        tracing::info!("checkpoint written: {}", dir.display());
+        self.checkpoint_settled().await?;
+        let started = Instant::now();
+        let step = self.state.step;
+        let pending = self.store.begin(step)?;
+        if !self.config.checkpoint.background {
+            self.roles.learner.save(pending.policy_dir()).await?;
+            let dir = self.store.commit(pending, &self.state)?;
+            self.checkpoint_times.blocked_seconds += started.elapsed().as_secs_f64();
+            self.checkpoint_committed(step, started, dir).await;
+            return Ok(());
+        }
+        let written = self
+            .roles
+            .learner
+            .save_in_background(pending.policy_dir())
+            .await?;
+        let (store, state) = (self.store.clone(), self.state.clone());
+        let commit = tokio::spawn(async move {
+            written.await?;
+            tokio::task::spawn_blocking(move || store.commit(pending, &state))
+                .await
+                .map_err(|err| RoleError::Runtime(format!("the checkpoint commit stopped: {err}")))?
+                .map_err(RunError::from)
+        });
+        self.checkpoint_times.blocked_seconds += started.elapsed().as_secs_f64();
+        self.writing = Some(CheckpointWrite {
+            step,
+            started,
+            commit,
+        });
+        Ok(())
+    }
+
+    /// Waits for the checkpoint being written in the background, if any.
+    async fn checkpoint_settled(&mut self) -> Result<(), RunError> {
+        let Some(writing) = self.writing.take() else {
+            return Ok(());
+        };
+        let dir = writing
+            .commit
+            .await
+            .map_err(|err| RoleError::Runtime(format!("the checkpoint writer stopped: {err}")))??;
+        self.checkpoint_committed(writing.step, writing.started, dir)
+            .await;
+        Ok(())
+    }
+
+    /// Settles a background checkpoint that already finished, without waiting.
+    async fn reap_checkpoint(&mut self) -> Result<(), RunError> {
+        if self
+            .writing
+            .as_ref()
+            .is_some_and(|w| w.commit.is_finished())
+        {
+            self.checkpoint_settled().await?;
+        }
+        Ok(())
+    }
+
+    async fn checkpoint_committed(&mut self, step: u64, started: Instant, dir: PathBuf) {
+        let seconds = started.elapsed().as_secs_f64();
+        self.checkpoint_times.written += 1;
+        self.checkpoint_times.write_seconds += seconds;
+        tracing::info!("checkpoint written in {seconds:.2} s: {}", dir.display());
         self.roles
             .observer
-            .checkpoint_written(self.state.step, dir.clone())
+            .checkpoint_written(step, dir.clone())
             .await;
         self.last_checkpoint = Some(dir);
-        Ok(())
     }
 
     /// Samples and scores the first prompt's group without training, for `rollout check`.
@@ -629,6 +730,9 @@ impl<'a> Controller<'a> {
             "summary_window": SUMMARY_WINDOW,
             "checkpoint": summary.checkpoint,
             "wall_seconds": summary.wall_seconds,
+            "checkpoints_written": self.checkpoint_times.written,
+            "checkpoint_blocked_seconds": self.checkpoint_times.blocked_seconds,
+            "checkpoint_write_seconds": self.checkpoint_times.write_seconds,
         });
         let path = self.output("summary.json");
         let text = serde_json::to_string_pretty(&value).unwrap_or_default();

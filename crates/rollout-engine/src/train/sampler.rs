@@ -1,13 +1,17 @@
 //! Sampling a step: prompts to completions (single-turn, or episodes against an
 //! environment), scored, with group advantages. A [`Sampler`] holds only shared, read-only
 //! state, so the controller can run several steps' sampling while it trains.
+//!
+//! A sample fails (it is logged with the reason, left out of its group's advantages and
+//! not trained on) when its episode's environment failed in the sandbox, or when a reward
+//! could not score it; a failed episode is not scored.
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use rollout_net::messages::{
-    FinishReason, GenerateRequest, GroupRef, PromptRequest, SamplingParams, ScoreRequest,
-    ScoreSample,
+    FinishReason, GenerateRequest, GenerateResponse, GroupRef, PromptRequest, RewardComponent,
+    SamplingParams, ScoreFailure, ScoreRequest, ScoreResponse, ScoreSample,
 };
 use serde_json::Value;
 
@@ -16,7 +20,8 @@ use super::{Roles, RunError, mix};
 use crate::config::Config;
 use crate::generation::merge_metrics;
 use crate::plugins::Record;
-use crate::roles::{Environments, EpisodeStart};
+use crate::roles::{Environments, EpisodeFailure, EpisodeResult, EpisodeStart, StepOutcome};
+use crate::sandbox::{FailureCounts, check_limits, score_failure};
 
 pub(super) type GeneratorMetrics = std::collections::BTreeMap<String, f64>;
 
@@ -49,8 +54,11 @@ pub(super) struct Trajectory {
     pub prompt_len: usize,
     pub finish_reason: FinishReason,
     pub env_return: f64,
-    /// The oldest weight version that generated any of its tokens (the behaviour policy).
+    /// The oldest weight version that generated any of its tokens (the behaviour policy);
+    /// `u64::MAX` when none was generated (its episode failed before its first turn).
     pub weight_version: u64,
+    /// Why its episode ended early: the environment failed in the sandbox.
+    pub failure: Option<EpisodeFailure>,
 }
 
 impl Trajectory {
@@ -58,6 +66,11 @@ impl Trajectory {
         self.episode_prompt
             .as_deref()
             .unwrap_or(&records[self.record].prompt)
+    }
+
+    /// The behaviour policy's weight version, if any of its tokens were generated.
+    pub fn generated_by(&self) -> Option<u64> {
+        (self.weight_version != u64::MAX).then_some(self.weight_version)
     }
 
     pub fn generated_tokens(&self) -> usize {
@@ -118,40 +131,21 @@ impl<'a> Sampler<'a> {
         let generate_seconds = started.elapsed().as_secs_f64();
 
         let scoring = Instant::now();
-        let completions = self
-            .roles
-            .tokenizer
-            .decode(
-                trajectories
-                    .iter()
-                    .map(|t| t.tokens[t.prompt_len..].to_vec())
-                    .collect(),
-            )
-            .await?;
-        let samples = trajectories
-            .iter()
-            .zip(&completions)
-            .map(|(trajectory, completion)| ScoreSample {
-                prompt: trajectory.prompt(&self.records).to_owned(),
-                completion: completion.clone(),
-                record: self.records[trajectory.record].fields.clone(),
-                finish_reason: trajectory.finish_reason,
-            })
-            .collect();
-        let scores = self.roles.scorer.score(ScoreRequest { samples }).await?;
+        let (
+            completions,
+            Spread {
+                totals,
+                components,
+                failures,
+            },
+        ) = self.score(&trajectories).await?;
         let rewards: Vec<f64> = trajectories
             .iter()
-            .zip(&scores.totals)
+            .zip(&totals)
             .map(|(trajectory, total)| total + trajectory.env_return)
             .collect();
         let score_seconds = scoring.elapsed().as_secs_f64();
 
-        let mut failures = vec![None; trajectories.len()];
-        for failure in scores.failed {
-            if let Some(slot) = failures.get_mut(failure.index) {
-                *slot = Some(failure);
-            }
-        }
         let groups: Vec<usize> = trajectories.iter().map(|t| t.group).collect();
         let scored: Vec<bool> = failures.iter().map(Option::is_none).collect();
         let algorithm = &self.config.algorithm;
@@ -167,7 +161,7 @@ impl<'a> Sampler<'a> {
             trajectories,
             completions,
             rewards,
-            components: scores.components,
+            components,
             advantages,
             failures,
             zero_std_groups,
@@ -175,6 +169,52 @@ impl<'a> Sampler<'a> {
             score_seconds,
             generator_metrics,
         })
+    }
+
+    /// The completions' texts and their scores. A failed episode is not scored; the step's
+    /// failures (environment or reward) are held to their limit.
+    async fn score(&self, trajectories: &[Trajectory]) -> Result<(Vec<String>, Spread), RunError> {
+        let completions = self
+            .roles
+            .tokenizer
+            .decode(
+                trajectories
+                    .iter()
+                    .map(|t| t.tokens[t.prompt_len..].to_vec())
+                    .collect(),
+            )
+            .await?;
+        let scored: Vec<usize> = (0..trajectories.len())
+            .filter(|&i| trajectories[i].failure.is_none())
+            .collect();
+        let samples = scored
+            .iter()
+            .map(|&i| ScoreSample {
+                prompt: trajectories[i].prompt(&self.records).to_owned(),
+                completion: completions[i].clone(),
+                record: self.records[trajectories[i].record].fields.clone(),
+                finish_reason: trajectories[i].finish_reason,
+            })
+            .collect();
+        let scores = self.roles.scorer.score(ScoreRequest { samples }).await?;
+        let spread = spread(scores, &scored, trajectories);
+        self.check_failures(&spread.failures)?;
+        Ok((completions, spread))
+    }
+
+    /// Holds the step's failed samples (environment or reward) to
+    /// `sandbox.max_failed_fraction_per_step`.
+    fn check_failures(&self, failures: &[Option<ScoreFailure>]) -> Result<(), RunError> {
+        let failed: Vec<ScoreFailure> = failures.iter().flatten().cloned().collect();
+        if failed.is_empty() {
+            return Ok(());
+        }
+        let step = FailureCounts {
+            total: failures.len() as u64,
+            failed: failed.len() as u64,
+        };
+        check_limits(&self.config.sandbox, Some(step), None, &failed)
+            .map_err(|err| RunError::Role(err.into()))
     }
 
     /// Reads `rollout.max_new_tokens_field` from every record.
@@ -266,6 +306,7 @@ impl<'a> Sampler<'a> {
                     finish_reason: completion.finish_reason,
                     env_return: 0.0,
                     weight_version: completion.weight_version,
+                    failure: None,
                 });
             }
         }
@@ -275,7 +316,8 @@ impl<'a> Sampler<'a> {
     /// Multi-turn: each group plays `group_size` episodes seeded alike; turns of all live
     /// episodes are generated together. Observations are appended as context tokens (not
     /// trained on); generated tokens are kept exactly as sampled. In the ledger, each turn
-    /// of each episode is a unit of its own.
+    /// of each episode is a unit of its own. An episode whose environment call fails ends
+    /// there, marked failed; the others play on.
     pub(super) async fn run_episodes(
         &self,
         environments: &dyn Environments,
@@ -284,7 +326,6 @@ impl<'a> Sampler<'a> {
         seed: u64,
     ) -> Result<(Vec<Trajectory>, GeneratorMetrics), RunError> {
         let group_size = self.config.rollout.group_size;
-        let max_turns = self.config.environment.as_ref().map_or(1, |e| e.max_turns);
         let first_id = seed;
         let starts: Vec<EpisodeStart> = records
             .iter()
@@ -302,15 +343,89 @@ impl<'a> Sampler<'a> {
             .map(|i| first_id.wrapping_add(i))
             .collect();
         let prompts = environments.start(first_id, starts).await?;
-        let prompt_ids = self.roles.tokenizer.encode(prompts.clone(), false).await?;
-        let mut trajectories: Vec<Trajectory> = prompt_ids
-            .into_iter()
-            .zip(prompts)
-            .enumerate()
-            .map(|(index, (tokens, prompt))| Trajectory {
+        let played = self
+            .play(environments, step, records, seed, &ids, prompts)
+            .await;
+        // Every episode is finished (released, and failures counted), whatever happened.
+        let finished = environments.finish(ids).await;
+        let (trajectories, generator_metrics) = played?;
+        finished?;
+        Ok((trajectories, merge_metrics(&generator_metrics)))
+    }
+
+    /// The turns of started episodes, until each is done, failed or out of turns.
+    async fn play(
+        &self,
+        environments: &dyn Environments,
+        step: u64,
+        records: &[usize],
+        seed: u64,
+        ids: &[u64],
+        prompts: Vec<EpisodeResult<String>>,
+    ) -> Result<(Vec<Trajectory>, Vec<GeneratorMetrics>), RunError> {
+        let max_turns = self.config.environment.as_ref().map_or(1, |e| e.max_turns);
+        let mut trajectories = self.first_prompts(records, prompts).await?;
+        let mut live: Vec<usize> = (0..trajectories.len())
+            .filter(|&i| trajectories[i].failure.is_none())
+            .collect();
+        let mut generator_metrics = Vec::new();
+        for turn in 0..max_turns {
+            if live.is_empty() {
+                break;
+            }
+            let response = self
+                .generate_turn(step, seed, turn, &trajectories, &live)
+                .await?;
+            generator_metrics.push(response.metrics);
+            let mut acting = Vec::with_capacity(live.len());
+            let mut actions = Vec::with_capacity(live.len());
+            for (&i, mut group) in live.iter().zip(response.groups) {
+                let Some(completion) = group.pop() else {
+                    continue;
+                };
+                let trajectory = &mut trajectories[i];
+                trajectory.tokens.extend_from_slice(&completion.token_ids);
+                trajectory.logprobs.extend_from_slice(&completion.logprobs);
+                trajectory
+                    .loss_mask
+                    .extend(std::iter::repeat_n(true, completion.token_ids.len()));
+                trajectory.finish_reason = completion.finish_reason;
+                trajectory.weight_version =
+                    trajectory.weight_version.min(completion.weight_version);
+                acting.push(i);
+                actions.push(completion.token_ids);
+            }
+            let texts = self.roles.tokenizer.decode(actions).await?;
+            let outcomes = environments
+                .step(acting.iter().map(|&i| ids[i]).zip(texts).collect())
+                .await?;
+            let last_turn = turn + 1 >= max_turns;
+            live = self
+                .observe(&mut trajectories, &acting, outcomes, last_turn)
+                .await?;
+        }
+        Ok((trajectories, generator_metrics))
+    }
+
+    /// One trajectory per started episode: its first prompt as context, or its failure.
+    async fn first_prompts(
+        &self,
+        records: &[usize],
+        prompts: Vec<EpisodeResult<String>>,
+    ) -> Result<Vec<Trajectory>, RunError> {
+        let group_size = self.config.rollout.group_size;
+        let texts: Vec<String> = prompts.iter().flatten().cloned().collect();
+        let mut encoded = self.roles.tokenizer.encode(texts, false).await?.into_iter();
+        let mut trajectories = Vec::with_capacity(prompts.len());
+        for (index, prompt) in prompts.into_iter().enumerate() {
+            let (tokens, episode_prompt, failure) = match prompt {
+                Ok(prompt) => (encoded.next().unwrap_or_default(), Some(prompt), None),
+                Err(failure) => (Vec::new(), None, Some(failure)),
+            };
+            trajectories.push(Trajectory {
                 group: index / group_size,
                 record: records[index / group_size],
-                episode_prompt: Some(prompt),
+                episode_prompt,
                 loss_mask: vec![false; tokens.len()],
                 logprobs: vec![0.0; tokens.len()],
                 prompt_len: tokens.len(),
@@ -318,90 +433,133 @@ impl<'a> Sampler<'a> {
                 finish_reason: FinishReason::Stop,
                 env_return: 0.0,
                 weight_version: u64::MAX,
-            })
-            .collect();
-        let mut live: Vec<usize> = (0..trajectories.len()).collect();
-        let mut generator_metrics = Vec::new();
-        let result = async {
-            for turn in 0..max_turns {
-                if live.is_empty() {
-                    break;
-                }
-                let turn_seed = mix(seed, 1 + turn as u64);
-                let request = GenerateRequest {
-                    prompts: live
-                        .iter()
-                        .map(|&i| PromptRequest {
-                            prompt_ids: trajectories[i].tokens.clone(),
-                            n: 1,
-                            // `rollout.max_new_tokens_field` budgets every turn of the sample.
-                            max_new_tokens: self
-                                .budgets
-                                .get(trajectories[i].record)
-                                .and_then(|budgets| budgets.get(i % group_size))
-                                .map(|&budget| vec![budget])
-                                .unwrap_or_default(),
-                            seed: Some(mix(turn_seed, i as u64)),
-                            group: Some(GroupRef {
-                                step,
-                                index: (turn as usize * trajectories.len() + i) as u32,
-                            }),
-                        })
-                        .collect(),
-                    sampling: self.sampling(turn_seed),
-                };
-                let response = self.roles.generator.generate(request).await?;
-                generator_metrics.push(response.metrics);
-                let mut actions = Vec::with_capacity(live.len());
-                for (&i, mut group) in live.iter().zip(response.groups) {
-                    let Some(completion) = group.pop() else {
-                        continue;
-                    };
-                    let trajectory = &mut trajectories[i];
-                    trajectory.tokens.extend_from_slice(&completion.token_ids);
-                    trajectory.logprobs.extend_from_slice(&completion.logprobs);
-                    trajectory
-                        .loss_mask
-                        .extend(std::iter::repeat_n(true, completion.token_ids.len()));
-                    trajectory.finish_reason = completion.finish_reason;
-                    trajectory.weight_version =
-                        trajectory.weight_version.min(completion.weight_version);
-                    actions.push(completion.token_ids);
-                }
-                let texts = self.roles.tokenizer.decode(actions).await?;
-                let outcomes = environments
-                    .step(live.iter().map(|&i| ids[i]).zip(texts).collect())
-                    .await?;
-                let mut observations = Vec::new();
-                let mut still_live = Vec::new();
-                for (&i, outcome) in live.iter().zip(outcomes) {
+                failure,
+            });
+        }
+        Ok(trajectories)
+    }
+
+    /// Generates one turn of each `live` episode.
+    async fn generate_turn(
+        &self,
+        step: u64,
+        seed: u64,
+        turn: u32,
+        trajectories: &[Trajectory],
+        live: &[usize],
+    ) -> Result<GenerateResponse, RunError> {
+        let group_size = self.config.rollout.group_size;
+        let turn_seed = mix(seed, 1 + turn as u64);
+        let request = GenerateRequest {
+            prompts: live
+                .iter()
+                .map(|&i| PromptRequest {
+                    prompt_ids: trajectories[i].tokens.clone(),
+                    n: 1,
+                    // `rollout.max_new_tokens_field` budgets every turn of the sample.
+                    max_new_tokens: self
+                        .budgets
+                        .get(trajectories[i].record)
+                        .and_then(|budgets| budgets.get(i % group_size))
+                        .map(|&budget| vec![budget])
+                        .unwrap_or_default(),
+                    seed: Some(mix(turn_seed, i as u64)),
+                    group: Some(GroupRef {
+                        step,
+                        index: (turn as usize * trajectories.len() + i) as u32,
+                    }),
+                })
+                .collect(),
+            sampling: self.sampling(turn_seed),
+        };
+        Ok(self.roles.generator.generate(request).await?)
+    }
+
+    /// Applies the environment's answers to the episodes that acted: rewards add up,
+    /// failures end their episode, and the observations of those that go on are appended
+    /// as context. Returns the episodes that go on.
+    async fn observe(
+        &self,
+        trajectories: &mut [Trajectory],
+        acting: &[usize],
+        outcomes: Vec<EpisodeResult<StepOutcome>>,
+        last_turn: bool,
+    ) -> Result<Vec<usize>, RunError> {
+        let mut observations = Vec::new();
+        let mut still_live = Vec::new();
+        for (&i, outcome) in acting.iter().zip(outcomes) {
+            match outcome {
+                Ok(outcome) => {
                     trajectories[i].env_return += outcome.reward;
-                    if !outcome.done && turn + 1 < max_turns {
+                    if !outcome.done && !last_turn {
                         observations.push(outcome.observation);
                         still_live.push(i);
                     }
                 }
-                if still_live.is_empty() {
-                    break;
-                }
-                let observation_ids = self.roles.tokenizer.encode(observations, true).await?;
-                for (&i, tokens) in still_live.iter().zip(observation_ids) {
-                    let trajectory = &mut trajectories[i];
-                    trajectory
-                        .loss_mask
-                        .extend(std::iter::repeat_n(false, tokens.len()));
-                    trajectory
-                        .logprobs
-                        .extend(std::iter::repeat_n(0.0, tokens.len()));
-                    trajectory.tokens.extend(tokens);
-                }
-                live = still_live;
+                Err(failure) => trajectories[i].failure = Some(failure),
             }
-            Ok::<_, RunError>(())
         }
-        .await;
-        environments.finish(ids).await?;
-        result?;
-        Ok((trajectories, merge_metrics(&generator_metrics)))
+        if still_live.is_empty() {
+            return Ok(still_live);
+        }
+        let observation_ids = self.roles.tokenizer.encode(observations, true).await?;
+        for (&i, tokens) in still_live.iter().zip(observation_ids) {
+            let trajectory = &mut trajectories[i];
+            trajectory
+                .loss_mask
+                .extend(std::iter::repeat_n(false, tokens.len()));
+            trajectory
+                .logprobs
+                .extend(std::iter::repeat_n(0.0, tokens.len()));
+            trajectory.tokens.extend(tokens);
+        }
+        Ok(still_live)
+    }
+}
+
+/// A step's scores spread back over all its samples (failed episodes were not scored).
+struct Spread {
+    totals: Vec<f64>,
+    components: Vec<RewardComponent>,
+    failures: Vec<Option<ScoreFailure>>,
+}
+
+/// `scores` answered for the samples `scored` (indices into `trajectories`); every other
+/// sample's episode failed. Unscored samples score 0 and carry their failure.
+fn spread(scores: ScoreResponse, scored: &[usize], trajectories: &[Trajectory]) -> Spread {
+    let count = trajectories.len();
+    let mut totals = vec![0.0; count];
+    for (&i, total) in scored.iter().zip(scores.totals) {
+        totals[i] = total;
+    }
+    let components = scores
+        .components
+        .into_iter()
+        .map(|component| {
+            let mut all = vec![0.0; count];
+            for (&i, score) in scored.iter().zip(component.scores) {
+                all[i] = score;
+            }
+            RewardComponent {
+                scores: all,
+                ..component
+            }
+        })
+        .collect();
+    let mut failures: Vec<Option<ScoreFailure>> = trajectories
+        .iter()
+        .enumerate()
+        .map(|(i, t)| t.failure.clone().map(|failure| score_failure(i, failure)))
+        .collect();
+    for mut failure in scores.failed {
+        if let Some(&i) = scored.get(failure.index) {
+            failure.index = i;
+            failures[i] = Some(failure);
+        }
+    }
+    Spread {
+        totals,
+        components,
+        failures,
     }
 }

@@ -57,7 +57,8 @@ impl StepReport {
         } = collected;
         let staleness: Vec<u64> = trajectories
             .iter()
-            .map(|t| trained_version.saturating_sub(t.weight_version))
+            .filter_map(Trajectory::generated_by)
+            .map(|version| trained_version.saturating_sub(version))
             .collect();
         let max_staleness = staleness.iter().copied().max().unwrap_or(0);
         let generated: Vec<usize> = trajectories
@@ -70,8 +71,14 @@ impl StepReport {
         line.insert("step".into(), json!(step));
         insert_rewards(&mut line, &rewards, &components, &failures);
         if has_environment {
-            let returns: Vec<f64> = trajectories.iter().map(|t| t.env_return).collect();
+            // Over the episodes played to their end (a failed one's return is partial).
+            let returns: Vec<f64> = trajectories
+                .iter()
+                .filter(|t| t.failure.is_none())
+                .map(|t| t.env_return)
+                .collect();
             line.insert("env_return_mean".into(), json!(mean(&returns)));
+            insert_failures(&mut line, "environment_failed", &failures, true);
         }
         for (name, value) in &response.metrics {
             line.insert(name.clone(), json!(value));
@@ -137,9 +144,9 @@ impl StepReport {
         line.insert("learning_rate".into(), json!(learning_rate));
         let sampled_with = trajectories
             .iter()
-            .map(|t| t.weight_version)
+            .filter_map(Trajectory::generated_by)
             .min()
-            .unwrap_or(0);
+            .unwrap_or(trained_version);
         line.insert("generation_weight_version".into(), json!(sampled_with));
         line.insert("weight_version".into(), json!(response.weight_version));
         line.insert("epoch".into(), json!(epoch));
@@ -159,7 +166,7 @@ impl StepReport {
                         "advantage": advantage,
                         "failed": failure,
                         "finish_reason": trajectory.finish_reason,
-                        "weight_version": trajectory.weight_version,
+                        "weight_version": trajectory.generated_by(),
                         "trained_at_version": trained_version,
                         "tokens": trajectory.tokens,
                         "generated": trajectory.loss_mask,
@@ -172,7 +179,8 @@ impl StepReport {
 }
 
 /// `reward_mean`, `reward_std` and `reward/<name>` over the samples that were scored, and
-/// `reward_failed` with one `reward_failed_<reason>` count per reason.
+/// `reward_failed` with one `reward_failed_<reason>` count per reason (failed episodes are
+/// not scored: they are counted in `environment_failed`).
 fn insert_rewards(
     line: &mut Map<String, Value>,
     rewards: &[f64],
@@ -196,10 +204,28 @@ fn insert_rewards(
             json!(mean(&scored(&component.scores))),
         );
     }
-    let failed: Vec<&ScoreFailure> = failures.iter().flatten().collect();
-    line.insert("reward_failed".into(), json!(failed.len()));
+    insert_failures(line, "reward_failed", failures, false);
+}
+
+/// `<name>` (the failures of rewards, or of the environment) and `<name>_<reason>` for each
+/// reason (`restarted` only for environments).
+fn insert_failures(
+    line: &mut Map<String, Value>,
+    name: &str,
+    failures: &[Option<ScoreFailure>],
+    environment: bool,
+) {
+    let failed: Vec<&ScoreFailure> = failures
+        .iter()
+        .flatten()
+        .filter(|f| f.environment.is_some() == environment)
+        .collect();
+    line.insert(name.into(), json!(failed.len()));
     for reason in FailureReason::ALL {
+        if reason == FailureReason::Restarted && !environment {
+            continue;
+        }
         let count = failed.iter().filter(|f| f.reason == reason).count();
-        line.insert(format!("reward_failed_{}", reason.as_str()), json!(count));
+        line.insert(format!("{name}_{}", reason.as_str()), json!(count));
     }
 }
