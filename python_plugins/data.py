@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import string
+import zlib
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,28 @@ class DropLongPrompts(Transform):
         if "prompt" not in record:
             raise KeyError("DropLongPrompts: the record has no `prompt` field")
         return None if len(record["prompt"]) > self.config.max_chars else record
+
+
+class WrongAnswerPairs(Transform):
+    """Preference pairs for DPO from question/answer records.
+
+    ``chosen`` is the answer; ``rejected`` is the same answer with its last digit changed
+    (deterministically, by the answer's CRC), so the pair differs in exactly one token.
+    """
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config:
+        answer_key: str = "answer"
+
+    def __call__(self, record: Record) -> Record:
+        answer = str(record[self.config.answer_key])
+        digits = [index for index, char in enumerate(answer) if char.isdigit()]
+        if not digits:
+            raise ValueError(f"WrongAnswerPairs: the answer {answer!r} has no digit to change")
+        index = digits[-1]
+        shift = 1 + zlib.crc32(answer.encode()) % 9
+        wrong = str((int(answer[index]) + shift) % 10)
+        return {**record, "chosen": answer, "rejected": answer[:index] + wrong + answer[index + 1 :]}
 
 
 def check_template(template: str) -> None:

@@ -8,16 +8,24 @@ import inspect
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoTokenizer, PreTrainedModel
 from transformers.utils import logging as transformers_logging
 
 from python_plugins.checkpoint_io import load_optimizer, model_files, optimizer_files
 from python_plugins.engine_runner import EngineRunner
+from python_plugins.model_setup import (
+    DEFAULT_LORA_TARGETS,
+    CpuOffloadOptimizer,
+    LoraAdapters,
+    build_optimizer,
+    check_memory_options,
+    load_model,
+)
 from python_plugins.sampling import select_tokens
 from python_plugins.shared_prefix import plan_shared_prefixes, shared_prefix_logprobs
 from rollout_sdk import (
@@ -25,14 +33,13 @@ from rollout_sdk import (
     EngineStepOutput,
     Generation,
     GenerationRequest,
-    GrpoObjective,
     KvLayout,
     Policy,
     SamplingParams,
     TokenBatch,
     TrainBatch,
 )
-from rollout_sdk.objectives import objective_loss, token_logprobs
+from rollout_sdk.objectives import needs_reference, objective_loss, token_logprobs
 from rollout_sdk.snapshot import TensorFile, write_snapshot
 
 __all__ = ["HFCausalLM"]
@@ -69,11 +76,25 @@ class HFCausalLM(Policy):
         # Training passes run each distinct prompt once and only the completions per sample
         # (same result; turn off for models whose forward cannot take a KV cache).
         share_prompt_prefix: bool = True
+        # Memory (python_plugins/model_setup.py, docs/memory.md). `lora_rank` > 0 trains only
+        # LoRA adapters (PEFT) on the frozen base; 0 is full fine-tuning.
+        lora_rank: int = 0
+        lora_alpha: float = 16.0
+        lora_dropout: float = 0.0
+        lora_target_modules: list[str] = dataclasses.field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))
+        # Frozen base weights in 8 or 4 bits (bitsandbytes; needs lora_rank > 0), and separately
+        # the frozen KL reference's.
+        quantization: Literal["none", "int8", "nf4"] = "none"
+        reference_quantization: Literal["none", "int8", "nf4"] = "none"
+        optimizer: Literal["adamw", "adamw_8bit"] = "adamw"
+        # Optimizer state (and its copy of the trained weights) in CPU memory; for GPU runs.
+        offload_optimizer: bool = False
 
         def __post_init__(self) -> None:
             for name in ("weight_decay", "adam_eps", "max_grad_norm", "torch_threads"):
                 if getattr(self, name) < 0:
                     raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
+            check_memory_options(self)
 
     def __init__(self, config: Config) -> None:
         super().__init__(config)
@@ -84,20 +105,25 @@ class HFCausalLM(Policy):
         self.device = _resolve_device(config.device)
         self.dtype = TORCH_DTYPES[config.dtype]
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
-        self.model = self._load_model(config.model_path)
+        self.model = self._load_model(config.model_path, config.quantization)
+        # With LoRA, `self.model` is the same model with adapters in its target layers.
+        self.lora: LoraAdapters | None = None
+        if config.lora_rank > 0:
+            self.lora = LoraAdapters(
+                self.model,
+                rank=config.lora_rank,
+                alpha=config.lora_alpha,
+                dropout=config.lora_dropout,
+                target_modules=config.lora_target_modules,
+                base_model_path=config.model_path,
+            )
         if config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.reference: PreTrainedModel | None = None
         self.trainable = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
         # The engine passes the learning rate of every update to `apply_update`.
-        self.optimizer = torch.optim.AdamW(
-            [p for _, p in self.trainable],
-            lr=0.0,
-            betas=config.adam_betas,
-            eps=config.adam_eps,
-            weight_decay=config.weight_decay,
-            # One kernel over all parameters instead of a few per tensor (same update).
-            fused=True,
+        self.optimizer: torch.optim.Optimizer | CpuOffloadOptimizer = build_optimizer(
+            [p for _, p in self.trainable], config, self.device
         )
         self.bos_prefix = _default_bos_prefix(self.tokenizer)
         self.eos_ids = self._find_eos_token_ids()
@@ -113,9 +139,8 @@ class HFCausalLM(Policy):
         if self.model.training != training:
             self.model.train(training)
 
-    def _load_model(self, path: str) -> PreTrainedModel:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
-        return model.to(self.device)
+    def _load_model(self, path: str, quantization: str = "none") -> PreTrainedModel:
+        return load_model(path, dtype=self.dtype, device=self.device, quantization=quantization)
 
     def _find_eos_token_ids(self) -> list[int]:
         candidates = [
@@ -269,7 +294,7 @@ class HFCausalLM(Policy):
 
     def train_step(self, batch: TrainBatch) -> Mapping[str, float]:
         objective = batch.objective
-        temperature = objective.temperature if isinstance(objective, GrpoObjective) else 1.0
+        temperature = getattr(objective, "temperature", 1.0)
         self._set_training(True)
         # Gradient checkpointing turns the KV cache off inside the model, so nothing to share.
         share = self.config.share_prompt_prefix and not self.config.gradient_checkpointing
@@ -284,7 +309,7 @@ class HFCausalLM(Policy):
         logprobs = sequence_logprobs(self.model)
         ref_logprobs = None
         reference_seconds = 0.0
-        if isinstance(objective, GrpoObjective) and objective.kl_coef > 0.0:
+        if needs_reference(objective):
             started = time.perf_counter()
             with torch.no_grad():
                 ref_logprobs = sequence_logprobs(self._reference())
@@ -294,8 +319,12 @@ class HFCausalLM(Policy):
         return {**output.metrics, "reference_seconds": reference_seconds}
 
     def _reference(self) -> PreTrainedModel:
+        if self.reference is None and self.lora is not None and self.config.reference_model_path is None:
+            # The base weights with the adapters disabled: no second copy of the model.
+            self.reference = cast(PreTrainedModel, self.lora.reference())
         if self.reference is None:
-            reference = self._load_model(self.config.reference_model_path or self.config.model_path)
+            path = self.config.reference_model_path or self.config.model_path
+            reference = self._load_model(path, self.config.reference_quantization)
             self.reference = reference.eval().requires_grad_(False)
         return self.reference
 
@@ -320,7 +349,7 @@ class HFCausalLM(Policy):
     # Weights and checkpoints
 
     def export_weights(self) -> dict[str, np.ndarray]:
-        """Copies of the trainable weights; bfloat16/float16 ones as float32 (NumPy has no bfloat16)."""
+        """Copies of the trainable weights (with LoRA, the adapters) as float32 (NumPy has no bfloat16)."""
         return {
             name: p.detach().to("cpu", dtype=torch.float32, copy=True).numpy() for name, p in self.trainable
         }
@@ -346,14 +375,19 @@ class HFCausalLM(Policy):
         write_snapshot(self._checkpoint_files(), directory)
 
     def _checkpoint_files(self) -> dict[str, bytes | TensorFile]:
-        model = model_files(self.model, self.tokenizer)
+        # With LoRA, `model/` is a PEFT adapter directory on top of `model_path`.
+        lora = self.lora
+        model = lora.files(self.tokenizer) if lora is not None else model_files(self.model, self.tokenizer)
         files = {f"model/{name}": content for name, content in model.items()}
         files.update(optimizer_files(self.optimizer, [name for name, _ in self.trainable]))
         return files
 
     def load(self, directory: str) -> None:
         root = Path(directory)
-        self._load_weights(root / "model")
+        if self.lora is not None:
+            self.lora.load(root / "model")
+        else:
+            self._load_weights(root / "model")
         load_optimizer(root, self.optimizer, [name for name, _ in self.trainable])
 
     @torch.no_grad()
@@ -381,11 +415,15 @@ class HFCausalLM(Policy):
             current[name].copy_(tensor)
 
     def describe(self) -> Mapping[str, Any]:
-        return {
+        facts = {
             "parameters": sum(p.numel() for p in self.model.parameters()),
             "dtype": self.config.dtype,
             "device": str(self.device),
         }
+        if self.lora is not None:
+            facts["trainable_parameters"] = self.lora.trainable_count()
+            facts["quantization"] = self.config.quantization
+        return facts
 
 
 def _resolve_device(name: str) -> torch.device:

@@ -15,16 +15,19 @@ from rollout_sdk.plugin import Plugin, PluginSpecError, load_plugin, resolve_plu
 from rollout_sdk.policy import Policy
 from rollout_sdk.reward import Reward
 from rollout_sdk.types import (
+    DpoObjective,
     FinishReason,
     Generation,
     GenerationRequest,
     GrpoObjective,
+    GspoObjective,
     Objective,
     Sample,
     SamplingParams,
     SftObjective,
     TokenBatch,
     TrainBatch,
+    objective_from_fields,
 )
 
 __version__ = "0.1.0"
@@ -33,6 +36,7 @@ __all__ = [
     "Callback",
     "ConfigError",
     "DataSource",
+    "DpoObjective",
     "EngineStep",
     "EngineStepOutput",
     "Environment",
@@ -40,6 +44,7 @@ __all__ = [
     "Generation",
     "GenerationRequest",
     "GrpoObjective",
+    "GspoObjective",
     "KvLayout",
     "Objective",
     "Pipeline",
@@ -58,5 +63,6 @@ __all__ = [
     "Transform",
     "build_config",
     "load_plugin",
+    "objective_from_fields",
     "resolve_plugin_class",
 ]

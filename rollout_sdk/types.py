@@ -14,16 +14,20 @@ from typing import Any, Literal
 import numpy as np
 
 __all__ = [
+    "OBJECTIVES",
+    "DpoObjective",
     "FinishReason",
     "Generation",
     "GenerationRequest",
     "GrpoObjective",
+    "GspoObjective",
     "Objective",
     "Sample",
     "SamplingParams",
     "SftObjective",
     "TokenBatch",
     "TrainBatch",
+    "objective_from_fields",
 ]
 
 FinishReason = Literal["stop", "length"]
@@ -73,20 +77,60 @@ class TokenBatch:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GrpoObjective:
-    """Clipped importance-ratio policy gradient with an optional k3 KL penalty to a reference."""
+    """Clipped token-level importance-ratio policy gradient (GRPO, Dr. GRPO, RLOO, REINFORCE++).
+
+    With ``kl_coef > 0`` the KL to the reference is a k3 penalty in the loss
+    (``kl_penalty="loss"``) or, as REINFORCE++ does, a k1 penalty on each token's reward
+    summed to the end of the sequence (``kl_penalty="reward"``).
+    """
 
     clip_low: float = 0.2
     clip_high: float = 0.2
     kl_coef: float = 0.0
     temperature: float = 1.0
+    kl_penalty: Literal["loss", "reward"] = "loss"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GspoObjective:
+    """GSPO: the clipped importance ratio is the sequence's, the geometric mean over its tokens."""
+
+    clip_low: float = 3e-4
+    clip_high: float = 4e-4
+    kl_coef: float = 0.0
+    temperature: float = 1.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DpoObjective:
+    """DPO on pairs of rows: row ``2i`` is pair ``i``'s chosen sequence, ``2i + 1`` its rejected one.
+
+    ``loss_scale`` is ``1 / pairs in the update``.
+    """
+
+    beta: float = 0.1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SftObjective:
-    """Token-level cross-entropy on the masked tokens (supervised warm start)."""
+    """Token-level cross-entropy on the masked tokens."""
 
 
-Objective = GrpoObjective | SftObjective
+Objective = GrpoObjective | GspoObjective | DpoObjective | SftObjective
+
+OBJECTIVES: dict[str, type[Objective]] = {
+    "grpo": GrpoObjective,
+    "gspo": GspoObjective,
+    "dpo": DpoObjective,
+    "sft": SftObjective,
+}
+
+
+def objective_from_fields(name: str, **fields: Any) -> Objective:
+    """The objective the engine sends: its ``name`` and its fields (the wire form)."""
+    if name not in OBJECTIVES:
+        raise ValueError(f"unknown objective `{name}`; known: {', '.join(OBJECTIVES)}")
+    return OBJECTIVES[name](**fields)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

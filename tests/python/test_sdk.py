@@ -12,7 +12,9 @@ import torch
 
 from rollout_sdk import (
     ConfigError,
+    DpoObjective,
     GrpoObjective,
+    GspoObjective,
     Pipeline,
     PluginSpecError,
     Reward,
@@ -21,6 +23,7 @@ from rollout_sdk import (
     Transform,
     build_config,
     load_plugin,
+    objective_from_fields,
     resolve_plugin_class,
 )
 from rollout_sdk.objectives import objective_loss, token_logprobs
@@ -277,6 +280,72 @@ def test_unknown_objective_is_rejected():
     batch = dataclasses.replace(batch, objective="ppo")
     with pytest.raises(TypeError, match="unknown objective"):
         objective_loss(torch.zeros(1, 2), batch)
+
+
+def test_gspo_clips_the_sequence_ratio_not_each_token():
+    # Token ratios 2.0 and 0.5: their geometric mean is 1, inside any clip range, so nothing
+    # is clipped although each token's ratio is far outside [1 - 3e-4, 1 + 4e-4].
+    logprobs = torch.tensor([[0.0, math.log(2.0), math.log(0.5)]], requires_grad=True)
+    batch = train_batch(GspoObjective(), logprob_mask=[0, 1, 1], advantages=[0, 1, 1])
+    out = objective_loss(logprobs, batch)
+    assert out.metrics["clip_fraction"] == 0.0
+    assert out.metrics["ratio_mean"] == pytest.approx(1.0)
+    out.loss.backward()
+    # d/dlogp_t of -exp(mean log ratio) * A summed over 2 tokens: each token gets -2 * 1/2.
+    assert logprobs.grad[0, 1:].tolist() == pytest.approx([-1.0, -1.0])
+    shifted = torch.tensor([[0.0, math.log(1.1), math.log(1.1)]])
+    assert objective_loss(shifted, batch).metrics["clip_fraction"] == 1.0
+
+
+def test_kl_in_the_reward_is_summed_to_the_end_of_the_sequence():
+    # REINFORCE++: k1 = old - ref per token, subtracted from every earlier token's return.
+    old = [0.0, -1.0, -1.0, -1.0]
+    reference = torch.tensor([[0.0, -1.5, -1.0, -2.0]])
+    batch = train_batch(
+        GrpoObjective(kl_coef=0.1, kl_penalty="reward"),
+        logprob_mask=[0, 1, 1, 1],
+        advantages=[0, 1, 1, 1],
+        old=old,
+    )
+    out = objective_loss(torch.tensor([old]), batch, ref_logprobs=reference)
+    # k1 per token: 0.5, 0, 1.0; to go: 1.5, 1.0, 1.0. Ratios are 1: loss = -sum(A - 0.1 * to go).
+    assert out.loss.item() == pytest.approx(-(0.85 + 0.9 + 0.9), abs=1e-6)
+    assert out.metrics["kl"] == pytest.approx(0.5)
+
+
+def test_dpo_is_the_logistic_loss_of_the_pairs_margin():
+    # Two pairs (rows 0/1 and 2/3); each row's log-ratio to the reference is summed over its mask.
+    logprobs = torch.tensor([[0.0, -1.0, -1.0], [0.0, -3.0, 0.0], [0.0, -2.0, -2.0], [0.0, -1.0, -1.0]])
+    reference = torch.full((4, 3), -1.0)
+    mask = np.array([[0, 1, 1], [0, 1, 0], [0, 1, 1], [0, 1, 1]], dtype=np.float32)
+    batch = dataclasses.replace(
+        train_batch(DpoObjective(beta=0.5), logprob_mask=[0, 1, 1]),
+        loss_mask=mask,
+        input_ids=np.zeros((4, 3), dtype=np.int64),
+        loss_scale=0.5,
+    )
+    out = objective_loss(logprobs, batch, ref_logprobs=reference)
+    # Log-ratios: 0, -2, -2, 0; margins 0.5 * (0 - -2) = 1 and 0.5 * (-2 - 0) = -1.
+    expected = [math.log1p(math.exp(-1.0)), math.log1p(math.exp(1.0))]
+    assert out.loss.item() == pytest.approx(0.5 * sum(expected), abs=1e-6)
+    assert out.metrics["reward_accuracy"] == 0.5
+    assert out.metrics["reward_margin"] == pytest.approx(0.0)
+    with pytest.raises(ValueError, match="pairs"):
+        objective_loss(
+            logprobs[:3], dataclasses.replace(batch, loss_mask=mask[:3]), ref_logprobs=reference[:3]
+        )
+
+
+def test_objectives_are_built_from_their_wire_form():
+    assert objective_from_fields("grpo", clip_low=0.1, clip_high=0.2, kl_coef=0.0, temperature=1.0) == (
+        GrpoObjective(clip_low=0.1, clip_high=0.2)
+    )
+    assert objective_from_fields("dpo", beta=0.3) == DpoObjective(beta=0.3)
+    assert objective_from_fields("sft") == SftObjective()
+    with pytest.raises(ValueError, match="unknown objective `ppo`"):
+        objective_from_fields("ppo")
+    with pytest.raises(TypeError):
+        objective_from_fields("gspo", beta=1.0)
 
 
 # token_logprobs

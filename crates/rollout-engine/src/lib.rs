@@ -7,6 +7,7 @@ pub mod engine;
 pub mod environments;
 pub mod generation;
 pub mod local;
+pub mod plan;
 pub mod plugins;
 pub mod python;
 pub mod roles;

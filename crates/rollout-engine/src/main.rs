@@ -12,6 +12,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use rollout_engine::cluster::ClusterError;
 use rollout_engine::config::{self, ConfigError};
+use rollout_engine::plan::{self, PlanError};
 use rollout_engine::python::{PythonError, PythonSetup, PythonWorker};
 use rollout_engine::roles::RoleError;
 use rollout_engine::session::{Session, SessionError};
@@ -87,6 +88,26 @@ enum Command {
         /// The run's output directory.
         output_dir: PathBuf,
     },
+    /// Predict the peak memory of every process of CONFIG's run and of each device, part by
+    /// part, from the config and the models' config.json (nothing is loaded).
+    Plan {
+        config: PathBuf,
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        overrides: Vec<String>,
+        /// Plan `rollout launch`'s processes (controller, workers, trainer ranks); the default
+        /// when the config sets anything in `[cluster]`.
+        #[arg(long, conflicts_with = "run")]
+        launch: bool,
+        /// Plan `rollout run`'s single process even when the config has a `[cluster]`.
+        #[arg(long)]
+        run: bool,
+        /// Print the plan as JSON.
+        #[arg(long)]
+        json: bool,
+        /// Memory of each device in GB, overriding `run.memory_limit_gb`.
+        #[arg(long, value_name = "GB")]
+        memory_limit: Option<f64>,
+    },
     /// Create the quickstart's tiny model, tokenizer and addition dataset (no downloads).
     InitQuickstart {
         /// Where to write them.
@@ -111,6 +132,12 @@ struct RunArgs {
     /// Delete the output directory's previous metrics and checkpoints first.
     #[arg(long)]
     overwrite: bool,
+    /// Start even if the memory planner predicts the run will not fit (`run.plan_check`).
+    #[arg(long)]
+    no_plan_check: bool,
+    /// Memory of each device in GB for the memory check, overriding `run.memory_limit_gb`.
+    #[arg(long, value_name = "GB")]
+    memory_limit: Option<f64>,
 }
 
 impl RunArgs {
@@ -122,6 +149,16 @@ impl RunArgs {
             _ => Start::Fresh,
         };
         Ok((loaded, start))
+    }
+
+    /// The memory planner's check, before anything heavy is loaded.
+    fn check_memory(&self, loaded: &config::LoadedConfig, mode: plan::Mode) -> anyhow::Result<()> {
+        Ok(plan::gate(
+            loaded,
+            mode,
+            self.memory_limit,
+            !self.no_plan_check,
+        )?)
     }
 }
 
@@ -264,6 +301,9 @@ fn exit_code(err: &anyhow::Error) -> u8 {
         {
             return EXIT_INTERRUPTED;
         }
+        if let Some(PlanError::Config(_)) = cause.downcast_ref::<PlanError>() {
+            return EXIT_CONFIG;
+        }
         if let Some(ClusterError::Config(_)) = cause.downcast_ref::<ClusterError>() {
             return EXIT_CONFIG;
         }
@@ -281,6 +321,7 @@ async fn execute(command: Command) -> anyhow::Result<()> {
     match command {
         Command::Run { run } => {
             let (loaded, start) = run.load()?;
+            run.check_memory(&loaded, plan::Mode::Run)?;
             let interrupted = watch_ctrl_c();
             let session = Session::open(loaded).await?;
             let summary = session.run(start, interrupted).await?;
@@ -310,6 +351,7 @@ async fn execute(command: Command) -> anyhow::Result<()> {
             external_roles,
         } => {
             let (loaded, start) = run.load()?;
+            run.check_memory(&loaded, plan::Mode::Launch { external_roles })?;
             launch(loaded, start, external_roles).await
         }
         Command::Worker { role } => {
@@ -340,6 +382,31 @@ async fn execute(command: Command) -> anyhow::Result<()> {
                 audit.groups_lost,
                 audit.groups_duplicated
             );
+            Ok(())
+        }
+        Command::Plan {
+            config,
+            overrides,
+            launch,
+            run,
+            json,
+            memory_limit,
+        } => {
+            let loaded = config::load(&config, &overrides)?;
+            let clustered = loaded.config.cluster != config::ClusterConfig::default();
+            let mode = if launch || (clustered && !run) {
+                plan::Mode::Launch {
+                    external_roles: false,
+                }
+            } else {
+                plan::Mode::Run
+            };
+            let plan = plan::plan(&loaded, mode, memory_limit)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&plan)?);
+            } else {
+                print!("{}", plan::render(&plan));
+            }
             Ok(())
         }
         Command::InitQuickstart { dir, force } => init_quickstart(dir, force).await,

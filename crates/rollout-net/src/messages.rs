@@ -193,13 +193,40 @@ pub struct RewardComponent {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "name", rename_all = "snake_case")]
 pub enum Objective {
+    /// Clipped token-level importance ratio (GRPO, Dr. GRPO, RLOO, REINFORCE++).
     Grpo {
         clip_low: f32,
         clip_high: f32,
         kl_coef: f32,
         temperature: f32,
+        #[serde(default)]
+        kl_penalty: KlPenalty,
+    },
+    /// GSPO: the clipped ratio is the sequence's (geometric mean over its tokens).
+    Gspo {
+        clip_low: f32,
+        clip_high: f32,
+        kl_coef: f32,
+        temperature: f32,
+    },
+    /// DPO over pairs of rows: row `2i` is pair `i`'s chosen sequence, row `2i + 1` its
+    /// rejected one; `loss_scale` is `1 / pairs in the update`.
+    Dpo {
+        beta: f32,
     },
     Sft,
+}
+
+/// Where the KL to the reference enters a policy-gradient objective.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KlPenalty {
+    /// `kl_coef` times the k3 estimator, added to the loss.
+    #[default]
+    Loss,
+    /// `kl_coef` times the k1 estimator, subtracted from each token's reward (summed over the
+    /// tokens from there to the end, as REINFORCE++ does).
+    Reward,
 }
 
 /// One right-padded training micro-batch; every `[rows, width]` array is row-major.

@@ -170,6 +170,7 @@ fn samples() -> Vec<Frame> {
                         clip_high: 0.28,
                         kl_coef: 0.0,
                         temperature: 1.0,
+                        kl_penalty: KlPenalty::Loss,
                     },
                 }],
                 learning_rate: 1e-6,
@@ -429,8 +430,29 @@ prop_compose! {
 fn objective() -> impl Strategy<Value = Objective> {
     prop_oneof![
         Just(Objective::Sft),
+        finite_f32().prop_map(|beta| Objective::Dpo { beta }),
+        (
+            finite_f32(),
+            finite_f32(),
+            finite_f32(),
+            finite_f32(),
+            any::<bool>()
+        )
+            .prop_map(|(clip_low, clip_high, kl_coef, temperature, in_reward)| {
+                Objective::Grpo {
+                    clip_low,
+                    clip_high,
+                    kl_coef,
+                    temperature,
+                    kl_penalty: if in_reward {
+                        KlPenalty::Reward
+                    } else {
+                        KlPenalty::Loss
+                    },
+                }
+            }),
         (finite_f32(), finite_f32(), finite_f32(), finite_f32()).prop_map(
-            |(clip_low, clip_high, kl_coef, temperature)| Objective::Grpo {
+            |(clip_low, clip_high, kl_coef, temperature)| Objective::Gspo {
                 clip_low,
                 clip_high,
                 kl_coef,

@@ -56,6 +56,15 @@ pub struct RunConfig {
     /// Samples of every step written to `samples.jsonl` (text, tokens, reward, advantage);
     /// 0 writes none.
     pub log_samples: usize,
+    /// Memory each device may use, in GB (10^9 bytes), for the memory planner's check before
+    /// loading (`rollout plan`): CUDA devices cannot be checked without it; on the host the
+    /// smaller of this and the available memory counts. 0: only what is detected.
+    pub memory_limit_gb: f64,
+    /// Refuse to start a run whose predicted peak memory exceeds what a device has.
+    pub plan_check: bool,
+    /// Prompt tokens the planner assumes (it does not read the data); 0: as many as
+    /// `rollout.max_new_tokens`.
+    pub plan_prompt_tokens: u64,
 }
 
 impl Default for RunConfig {
@@ -66,6 +75,9 @@ impl Default for RunConfig {
             seed: 0,
             steps: 100,
             log_samples: 0,
+            memory_limit_gb: 0.0,
+            plan_check: true,
+            plan_prompt_tokens: 0,
         }
     }
 }
@@ -241,6 +253,38 @@ impl Default for SpeculationSection {
     }
 }
 
+/// The training algorithm: its advantage estimator and objective (see docs/algorithms.md).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Algorithm {
+    #[default]
+    Grpo,
+    DrGrpo,
+    Rloo,
+    ReinforcePp,
+    Gspo,
+    /// Preference pairs from the data, no generation.
+    Dpo,
+    /// Supervised updates on the data's completions, no generation.
+    Sft,
+}
+
+impl Algorithm {
+    pub fn default_estimator(self) -> AdvantageEstimator {
+        match self {
+            Algorithm::DrGrpo => AdvantageEstimator::GroupMean,
+            Algorithm::Rloo => AdvantageEstimator::LeaveOneOut,
+            Algorithm::ReinforcePp => AdvantageEstimator::BatchNorm,
+            _ => AdvantageEstimator::GroupNorm,
+        }
+    }
+
+    /// Whether the run samples completions and scores them (not DPO or SFT).
+    pub fn samples(self) -> bool {
+        !matches!(self, Algorithm::Dpo | Algorithm::Sft)
+    }
+}
+
 /// How rewards become advantages.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -251,32 +295,75 @@ pub enum AdvantageEstimator {
     GroupMean,
     /// RLOO: `r - mean(others in the group)`.
     LeaveOneOut,
+    /// REINFORCE++: `(r - mean(step)) / (std(step) + eps)` over the whole step's samples.
+    BatchNorm,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct AlgorithmConfig {
-    pub advantage: AdvantageEstimator,
-    /// Added to the group standard deviation for `group_norm`.
+    pub name: Algorithm,
+    /// The advantage estimator; the algorithm's own when unset.
+    pub advantage: Option<AdvantageEstimator>,
+    /// Added to the standard deviation for `group_norm` and `batch_norm`.
     pub std_eps: f64,
-    /// Lower clip of the importance ratio: `1 - clip_low`.
-    pub clip_low: f32,
-    /// Upper clip of the importance ratio: `1 + clip_high` (DAPO's clip-higher raises it).
-    pub clip_high: f32,
-    /// Weight of the k3 KL penalty to the frozen reference model (0 turns it off and never
-    /// loads the reference).
+    /// Lower clip of the importance ratio: `1 - clip_low` (GSPO: 3e-4 when unset, else 0.2).
+    pub clip_low: Option<f32>,
+    /// Upper clip of the importance ratio: `1 + clip_high` (DAPO's clip-higher raises it;
+    /// GSPO: 4e-4 when unset, else 0.2).
+    pub clip_high: Option<f32>,
+    /// Weight of the KL penalty to the frozen reference model (0 turns it off and never
+    /// loads the reference): k3 in the loss, or k1 in the reward for `reinforce_pp`.
     pub kl_coef: f32,
+    /// DPO's inverse temperature.
+    pub beta: f32,
+    /// DPO: the record fields holding the preferred and the dispreferred completion; SFT:
+    /// `completion_key` holds the target.
+    pub chosen_key: String,
+    pub rejected_key: String,
+    pub completion_key: String,
+    /// DAPO's dynamic sampling: groups whose rewards are all equal (no learning signal) are
+    /// replaced by groups of further prompts, in up to this many extra rounds (0: off).
+    pub dynamic_sampling_rounds: u32,
+    /// DAPO's overlong shaping: a completion longer than `max_new_tokens - overlong_buffer`
+    /// loses up to `overlong_penalty`, linearly over the buffer (0: off).
+    pub overlong_buffer: u32,
+    pub overlong_penalty: f64,
 }
 
 impl Default for AlgorithmConfig {
     fn default() -> Self {
         Self {
-            advantage: AdvantageEstimator::GroupNorm,
+            name: Algorithm::Grpo,
+            advantage: None,
             std_eps: 1e-4,
-            clip_low: 0.2,
-            clip_high: 0.2,
+            clip_low: None,
+            clip_high: None,
             kl_coef: 0.0,
+            beta: 0.1,
+            chosen_key: "chosen".into(),
+            rejected_key: "rejected".into(),
+            completion_key: "answer".into(),
+            dynamic_sampling_rounds: 0,
+            overlong_buffer: 0,
+            overlong_penalty: 1.0,
         }
+    }
+}
+
+impl AlgorithmConfig {
+    pub fn estimator(&self) -> AdvantageEstimator {
+        self.advantage
+            .unwrap_or_else(|| self.name.default_estimator())
+    }
+
+    /// The importance-ratio clip range `(low, high)`.
+    pub fn clip(&self) -> (f32, f32) {
+        let (low, high) = match self.name {
+            Algorithm::Gspo => (3e-4, 4e-4),
+            _ => (0.2, 0.2),
+        };
+        (self.clip_low.unwrap_or(low), self.clip_high.unwrap_or(high))
     }
 }
 

@@ -18,6 +18,11 @@ pub fn validate(loaded: &LoadedConfig) -> Result<(), ConfigError> {
         "run.steps",
         "must be at least 1 (0 is allowed for a supervised-only run with [sft])",
     )?;
+    check(
+        config.run.memory_limit_gb.is_finite() && config.run.memory_limit_gb >= 0.0,
+        "run.memory_limit_gb",
+        "must be a finite number of GB >= 0 (0: only what is detected)",
+    )?;
     let rollout = &config.rollout;
     check(
         rollout.prompts_per_step >= 1,
@@ -44,17 +49,8 @@ pub fn validate(loaded: &LoadedConfig) -> Result<(), ConfigError> {
         "rollout.top_p",
         "must be in (0, 1]",
     )?;
+    validate_algorithm(loaded)?;
     let algorithm = &config.algorithm;
-    check(
-        algorithm.clip_low >= 0.0 && algorithm.clip_low < 1.0,
-        "algorithm.clip_low",
-        "must be in [0, 1)",
-    )?;
-    check(
-        algorithm.clip_high >= 0.0,
-        "algorithm.clip_high",
-        "must be >= 0",
-    )?;
     check(
         algorithm.kl_coef.is_finite() && algorithm.kl_coef >= 0.0,
         "algorithm.kl_coef",
@@ -167,7 +163,8 @@ pub fn validate(loaded: &LoadedConfig) -> Result<(), ConfigError> {
         "sandbox.max_failed_fraction_per_step",
         "must be in [0, 1]",
     )?;
-    if config.rewards.is_empty() && config.environment.is_none() {
+    let samples = config.algorithm.name.samples();
+    if samples && config.rewards.is_empty() && config.environment.is_none() {
         return Err(loaded.error_at(
             &KeyPath::default(),
             "no reward: add a [[rewards]] table or an [environment]",
@@ -197,6 +194,53 @@ pub fn validate(loaded: &LoadedConfig) -> Result<(), ConfigError> {
                 format!("a second reward named `{name}`: give one a different `name`"),
             ));
         }
+    }
+    Ok(())
+}
+
+fn validate_algorithm(loaded: &LoadedConfig) -> Result<(), ConfigError> {
+    let config = &loaded.config;
+    let check = |ok: bool, path: &str, message: &str| {
+        if ok {
+            Ok(())
+        } else {
+            Err(loaded.error_at(&KeyPath::parse_dotted(path), message))
+        }
+    };
+    let algorithm = &config.algorithm;
+    let (clip_low, clip_high) = algorithm.clip();
+    check(
+        (0.0..1.0).contains(&clip_low),
+        "algorithm.clip_low",
+        "must be in [0, 1)",
+    )?;
+    check(clip_high >= 0.0, "algorithm.clip_high", "must be >= 0")?;
+    check(
+        algorithm.beta.is_finite() && algorithm.beta > 0.0,
+        "algorithm.beta",
+        "must be a finite number > 0",
+    )?;
+    check(
+        algorithm.overlong_buffer < config.rollout.max_new_tokens,
+        "algorithm.overlong_buffer",
+        "must be less than rollout.max_new_tokens",
+    )?;
+    check(
+        algorithm.overlong_penalty.is_finite() && algorithm.overlong_penalty >= 0.0,
+        "algorithm.overlong_penalty",
+        "must be a finite number >= 0",
+    )?;
+    if !algorithm.name.samples() {
+        check(
+            config.environment.is_none(),
+            "algorithm.name",
+            "trains on the data's completions: it cannot play an [environment]",
+        )?;
+        check(
+            config.sft.is_none(),
+            "algorithm.name",
+            "trains on the data's completions from the first step: drop the [sft] warm start",
+        )?;
     }
     Ok(())
 }

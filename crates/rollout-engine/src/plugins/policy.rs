@@ -8,14 +8,13 @@ use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 use rollout_net::messages::{
-    Completion, FinishReason, GenerateRequest, GenerateResponse, MicroBatch, Objective,
-    TrainRequest,
+    Completion, FinishReason, GenerateRequest, GenerateResponse, MicroBatch, TrainRequest,
 };
 
 use super::{PluginError, PluginLoadError, PluginRef, Sdk};
 use crate::config::{KeyPath, LoadedConfig};
 use crate::engine::{StepOutcome, StepPlan};
-use crate::python::convert::py_to_json;
+use crate::python::convert::{json_to_py, py_to_json};
 use crate::train::SnapshotFiles;
 
 /// The cache geometry a policy reports (`rollout_sdk.KvLayout`).
@@ -381,25 +380,10 @@ impl PolicyPlugin {
     }
 
     fn train_batch<'py>(&self, py: Python<'py>, batch: &MicroBatch) -> PyResult<Bound<'py, PyAny>> {
-        let objective = PyDict::new(py);
-        let objective = match &batch.objective {
-            Objective::Grpo {
-                clip_low,
-                clip_high,
-                kl_coef,
-                temperature,
-            } => {
-                objective.set_item("clip_low", clip_low)?;
-                objective.set_item("clip_high", clip_high)?;
-                objective.set_item("kl_coef", kl_coef)?;
-                objective.set_item("temperature", temperature)?;
-                self.sdk
-                    .grpo_objective
-                    .bind(py)
-                    .call((), Some(&objective))?
-            }
-            Objective::Sft => self.sdk.sft_objective.bind(py).call0()?,
-        };
+        let fields = serde_json::to_value(&batch.objective)
+            .map_err(|err| pyo3::exceptions::PyValueError::new_err(err.to_string()))?;
+        let fields = json_to_py(py, &fields)?.cast_into::<PyDict>()?;
+        let objective = self.sdk.objective.bind(py).call((), Some(&fields))?;
         let (rows, width) = (batch.rows, batch.width);
         let fields = PyDict::new(py);
         fields.set_item(

@@ -12,7 +12,7 @@ pub fn group_advantages(rewards: &[f64], estimator: AdvantageEstimator, std_eps:
     let mean = sum / n as f64;
     match estimator {
         AdvantageEstimator::GroupMean => rewards.iter().map(|r| r - mean).collect(),
-        AdvantageEstimator::GroupNorm => {
+        AdvantageEstimator::GroupNorm | AdvantageEstimator::BatchNorm => {
             // Unbiased (n - 1) standard deviation, as GRPO implementations use.
             let std = if n > 1 {
                 (rewards.iter().map(|r| (r - mean).powi(2)).sum::<f64>() / (n - 1) as f64).sqrt()
@@ -51,6 +51,14 @@ pub fn scored_group_advantages(
 ) -> (Vec<f64>, usize) {
     let mut advantages = vec![0.0; groups.len()];
     let mut zero_std_groups = 0;
+    if estimator == AdvantageEstimator::BatchNorm {
+        let members: Vec<usize> = (0..groups.len()).filter(|&i| scored[i]).collect();
+        let step_rewards: Vec<f64> = members.iter().map(|&i| rewards[i]).collect();
+        let computed = group_advantages(&step_rewards, estimator, std_eps);
+        for (&i, advantage) in members.iter().zip(computed) {
+            advantages[i] = advantage;
+        }
+    }
     for group in 0..group_count {
         let members: Vec<usize> = (0..groups.len())
             .filter(|&i| groups[i] == group && scored[i])
@@ -59,9 +67,11 @@ pub fn scored_group_advantages(
         if group_rewards.windows(2).all(|w| w[0] == w[1]) {
             zero_std_groups += 1;
         }
-        let computed = group_advantages(&group_rewards, estimator, std_eps);
-        for (&i, advantage) in members.iter().zip(computed) {
-            advantages[i] = advantage;
+        if estimator != AdvantageEstimator::BatchNorm {
+            let computed = group_advantages(&group_rewards, estimator, std_eps);
+            for (&i, advantage) in members.iter().zip(computed) {
+                advantages[i] = advantage;
+            }
         }
     }
     (advantages, zero_std_groups)
@@ -71,6 +81,34 @@ pub fn scored_group_advantages(
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn batch_norm_normalises_over_the_whole_step_not_the_group() {
+        let groups = [0, 0, 1, 1];
+        let rewards = [1.0, 1.0, 0.0, 2.0];
+        let scored = [true, true, true, false];
+        let (got, zero_std) = scored_group_advantages(
+            &groups,
+            &rewards,
+            &scored,
+            2,
+            AdvantageEstimator::BatchNorm,
+            0.0,
+        );
+        // Over the three scored samples: mean 2/3, unbiased std 1/sqrt(3).
+        let std = (1.0f64 / 3.0).sqrt();
+        let expected = [
+            (1.0 - 2.0 / 3.0) / std,
+            (1.0 - 2.0 / 3.0) / std,
+            -(2.0 / 3.0) / std,
+            0.0,
+        ];
+        for (g, e) in got.iter().zip(expected) {
+            assert!((g - e).abs() < 1e-12, "{got:?}");
+        }
+        // Group 0 has no spread, yet its samples are trained: the step's mean is the baseline.
+        assert_eq!(zero_std, 2);
+    }
 
     #[test]
     fn failed_samples_get_zero_and_leave_their_group_alone() {

@@ -60,38 +60,84 @@ pub fn micro_batches(
     let batches = groups
         .iter()
         .map(|indices| {
-            let rows = indices.len();
-            let width = indices.iter().map(|&i| lengths[i]).max().unwrap_or(0);
-            let mut batch = MicroBatch {
-                rows,
-                width,
-                input_ids: vec![0; rows * width],
-                attention_mask: vec![0; rows * width],
-                loss_mask: vec![0.0; rows * width],
-                advantages: vec![0.0; rows * width],
-                old_logprobs: vec![0.0; rows * width],
-                loss_scale,
-                objective: objective.clone(),
-            };
-            for (row, &index) in indices.iter().enumerate() {
-                let sequence = kept[index];
-                let start = row * width;
-                for (t, &token) in sequence.tokens.iter().enumerate() {
-                    batch.input_ids[start + t] = token;
-                    batch.attention_mask[start + t] = 1;
-                    if sequence.loss_mask[t] {
-                        batch.loss_mask[start + t] = 1.0;
-                        batch.advantages[start + t] = sequence.advantage;
-                        batch.old_logprobs[start + t] = sequence.logprobs[t];
-                    }
-                }
-                stats.real_tokens += sequence.tokens.len();
-            }
-            stats.padded_tokens += rows * width;
-            batch
+            let rows: Vec<&TrainSequence> = indices.iter().map(|&i| kept[i]).collect();
+            filled_batch(&rows, objective, loss_scale, &mut stats)
         })
         .collect();
     (batches, stats)
+}
+
+/// DPO's micro-batches: each pair's chosen and rejected sequences as two adjacent rows, pairs
+/// kept whole within `budget` padded tokens (a pair longer than half of it gets a micro-batch
+/// of its own), the loss normalised by the number of pairs.
+pub fn pair_micro_batches(
+    pairs: &[(TrainSequence, TrainSequence)],
+    objective: &Objective,
+    budget: usize,
+) -> (Vec<MicroBatch>, PackingStats) {
+    let loss_scale = if pairs.is_empty() {
+        0.0
+    } else {
+        1.0 / pairs.len() as f32
+    };
+    let lengths: Vec<usize> = pairs
+        .iter()
+        .map(|(chosen, rejected)| chosen.tokens.len().max(rejected.tokens.len()))
+        .collect();
+    let groups = pack_by_token_budget(&lengths, (budget / 2).max(1));
+    let mut stats = PackingStats {
+        micro_batches: groups.len(),
+        rows: 2 * pairs.len(),
+        ..PackingStats::default()
+    };
+    let batches = groups
+        .iter()
+        .map(|indices| {
+            let rows: Vec<&TrainSequence> = indices
+                .iter()
+                .flat_map(|&i| [&pairs[i].0, &pairs[i].1])
+                .collect();
+            filled_batch(&rows, objective, loss_scale, &mut stats)
+        })
+        .collect();
+    (batches, stats)
+}
+
+/// One right-padded micro-batch of `rows`, in order.
+fn filled_batch(
+    rows: &[&TrainSequence],
+    objective: &Objective,
+    loss_scale: f32,
+    stats: &mut PackingStats,
+) -> MicroBatch {
+    let width = rows.iter().map(|s| s.tokens.len()).max().unwrap_or(0);
+    let size = rows.len() * width;
+    let mut batch = MicroBatch {
+        rows: rows.len(),
+        width,
+        input_ids: vec![0; size],
+        attention_mask: vec![0; size],
+        loss_mask: vec![0.0; size],
+        advantages: vec![0.0; size],
+        old_logprobs: vec![0.0; size],
+        loss_scale,
+        objective: objective.clone(),
+    };
+    for (row, sequence) in rows.iter().enumerate() {
+        let start = row * width;
+        for (t, &token) in sequence.tokens.iter().enumerate() {
+            batch.input_ids[start + t] = token;
+            batch.attention_mask[start + t] = 1;
+            if sequence.loss_mask[t] {
+                batch.loss_mask[start + t] = 1.0;
+                batch.advantages[start + t] = sequence.advantage;
+                batch.old_logprobs[start + t] = sequence.logprobs[t];
+            }
+        }
+        stats.real_tokens += sequence.tokens.len();
+    }
+    stats.padded_tokens += size;
+    batch
 }
 
 #[cfg(test)]
@@ -147,6 +193,28 @@ mod tests {
         assert!((batches[0].loss_scale - 0.25).abs() < 1e-7);
         let (kept, _) = micro_batches(&seqs, &Objective::Sft, 100, false);
         assert_eq!(kept.iter().map(|b| b.rows).sum::<usize>(), 2);
+    }
+
+    #[test]
+    fn pairs_stay_adjacent_and_whole_and_normalise_by_pairs() {
+        let pairs: Vec<_> = (0..3)
+            .map(|i| (sequence(2, 2 + i, 1.0), sequence(2, 1, -1.0)))
+            .collect();
+        let objective = Objective::Dpo { beta: 0.1 };
+        let (batches, stats) = pair_micro_batches(&pairs, &objective, 20);
+        assert_eq!(stats.rows, 6);
+        assert_eq!(batches.len(), 2);
+        let fits = |b: &MicroBatch| b.rows % 2 == 0 && b.padded_tokens() <= 20;
+        assert!(batches.iter().all(fits));
+        assert_eq!(batches.iter().map(|b| b.rows).sum::<usize>(), 6);
+        for batch in &batches {
+            assert!((batch.loss_scale - 1.0 / 3.0).abs() < 1e-7);
+            for pair in 0..batch.rows / 2 {
+                let rejected = &batch.loss_mask[(2 * pair + 1) * batch.width..][..batch.width];
+                // The rejected row of every pair is the one-token completion.
+                assert_eq!(rejected.iter().filter(|&&m| m > 0.0).count(), 1);
+            }
+        }
     }
 
     #[test]

@@ -11,6 +11,7 @@ mod batching;
 mod checkpoint;
 mod cursor;
 mod metrics;
+mod offline;
 mod pipeline;
 mod sampler;
 mod sft;
@@ -26,10 +27,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-use rollout_net::messages::{Objective, TrainRequest};
+use rollout_net::messages::{KlPenalty, Objective, TrainRequest};
 use serde_json::{Value, json};
 
-use crate::config::Config;
+use crate::config::{Algorithm, Config};
 use crate::plugins::Record;
 use crate::roles::{
     Environments, Generator, Learner, Observer, RoleError, RunStarted, Scorer, Tokenizer,
@@ -102,6 +103,37 @@ pub struct Summary {
     pub last_rewards_mean: Option<f64>,
     pub checkpoint: Option<PathBuf>,
     pub wall_seconds: f64,
+}
+
+/// The objective of an RL step's update under `[algorithm]`.
+fn rl_objective(config: &Config) -> Objective {
+    let algorithm = &config.algorithm;
+    let (clip_low, clip_high) = algorithm.clip();
+    let temperature = if config.rollout.temperature > 0.0 {
+        config.rollout.temperature
+    } else {
+        1.0
+    };
+    let kl_coef = algorithm.kl_coef;
+    match algorithm.name {
+        Algorithm::Gspo => Objective::Gspo {
+            clip_low,
+            clip_high,
+            kl_coef,
+            temperature,
+        },
+        name => Objective::Grpo {
+            clip_low,
+            clip_high,
+            kl_coef,
+            temperature,
+            kl_penalty: if name == Algorithm::ReinforcePp {
+                KlPenalty::Reward
+            } else {
+                KlPenalty::Loss
+            },
+        },
+    }
 }
 
 /// Steps averaged at each end of the run for the summary.
@@ -259,6 +291,9 @@ impl<'a> Controller<'a> {
             })
             .await;
 
+        if !self.config.algorithm.name.samples() {
+            return self.offline_steps(&mut metrics).await;
+        }
         if let Some(sft) = &self.config.sft {
             if self.state.sft_step < sft.steps {
                 self.supervised_warm_start(sft, resumed).await?;
@@ -587,7 +622,6 @@ impl<'a> Controller<'a> {
     where
         'a: 's,
     {
-        let rollout = &self.config.rollout;
         let StepSamples {
             step,
             epoch,
@@ -627,16 +661,7 @@ impl<'a> Controller<'a> {
                 advantage: advantage as f32,
             })
             .collect();
-        let objective = Objective::Grpo {
-            clip_low: algorithm.clip_low,
-            clip_high: algorithm.clip_high,
-            kl_coef: algorithm.kl_coef,
-            temperature: if rollout.temperature > 0.0 {
-                rollout.temperature
-            } else {
-                1.0
-            },
-        };
+        let objective = rl_objective(self.config);
         let skip_zero = algorithm.kl_coef == 0.0;
         let (batches, packing) = micro_batches(
             &sequences,

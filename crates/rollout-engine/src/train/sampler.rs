@@ -142,19 +142,22 @@ impl<'a> Sampler<'a> {
         let rewards: Vec<f64> = trajectories
             .iter()
             .zip(&totals)
-            .map(|(trajectory, total)| total + trajectory.env_return)
+            .map(|(trajectory, total)| {
+                total + trajectory.env_return
+                    - overlong_penalty(trajectory.generated_tokens(), self.config)
+            })
             .collect();
         let score_seconds = scoring.elapsed().as_secs_f64();
 
+        let algorithm = &self.config.algorithm;
         let groups: Vec<usize> = trajectories.iter().map(|t| t.group).collect();
         let scored: Vec<bool> = failures.iter().map(Option::is_none).collect();
-        let algorithm = &self.config.algorithm;
         let (advantages, zero_std_groups) = scored_group_advantages(
             &groups,
             &rewards,
             &scored,
             records.len(),
-            algorithm.advantage,
+            algorithm.estimator(),
             algorithm.std_eps,
         );
         Ok(Collected {
@@ -561,5 +564,38 @@ fn spread(scores: ScoreResponse, scored: &[usize], trajectories: &[Trajectory]) 
         totals,
         components,
         failures,
+    }
+}
+
+/// DAPO's soft overlong punishment: 0 up to `max_new_tokens - overlong_buffer` generated
+/// tokens, then rising linearly to `overlong_penalty` at `max_new_tokens`.
+fn overlong_penalty(generated: usize, config: &Config) -> f64 {
+    let algorithm = &config.algorithm;
+    let buffer = algorithm.overlong_buffer as usize;
+    let limit = config.rollout.max_new_tokens as usize;
+    if buffer == 0 || generated <= limit.saturating_sub(buffer) {
+        return 0.0;
+    }
+    let over = generated - (limit - buffer);
+    algorithm.overlong_penalty * (over.min(buffer) as f64 / buffer as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overlong_penalty_rises_linearly_over_the_buffer() {
+        let mut config: Config = match toml::from_str(
+            "[policy]\nplugin = \"p:P\"\n[data]\nplugin = \"d:D\"\n[rollout]\nmax_new_tokens = 10\n",
+        ) {
+            Ok(config) => config,
+            Err(err) => panic!("{err}"),
+        };
+        assert_eq!(overlong_penalty(10, &config), 0.0);
+        config.algorithm.overlong_buffer = 4;
+        config.algorithm.overlong_penalty = 2.0;
+        let penalties: Vec<f64> = (5..=11).map(|n| overlong_penalty(n, &config)).collect();
+        assert_eq!(penalties, [0.0, 0.0, 0.5, 1.0, 1.5, 2.0, 2.0]);
     }
 }

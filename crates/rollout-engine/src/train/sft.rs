@@ -6,6 +6,7 @@ use std::time::Instant;
 use rollout_net::messages::{Objective, TrainRequest};
 use serde_json::{Map, Value, json};
 
+use super::offline::supervised_sequence;
 use super::{
     Controller, DataCursor, MetricsLog, RunError, TrainSequence, io_error, micro_batches, mix,
 };
@@ -17,38 +18,14 @@ impl Controller<'_> {
         sft: &SftConfig,
         resumed: bool,
     ) -> Result<(), RunError> {
-        let records = self.sampler.records.clone();
-        let mut targets = Vec::with_capacity(records.len());
-        for (index, record) in records.iter().enumerate() {
-            match record.fields.get(&sft.completion_key) {
-                Some(Value::String(text)) => targets.push(text.clone()),
-                Some(other) => targets.push(other.to_string()),
-                None => {
-                    return Err(RunError::Data(format!(
-                        "[sft] needs `{}` in every record, but record {index} has none",
-                        sft.completion_key
-                    )));
-                }
-            }
-        }
-        let mut completions = self.roles.tokenizer.encode(targets, true).await?;
-        if sft.append_eos {
-            let eos = self.roles.tokenizer.eos_token_ids().await?;
-            let Some(&eos) = eos.first() else {
-                return Err(RunError::Data(
-                    "[sft] append_eos needs an end-of-sequence token, and the policy has none"
-                        .into(),
-                ));
-            };
-            for completion in &mut completions {
-                completion.push(eos);
-            }
-        }
+        let completions = self
+            .encode_field(&sft.completion_key, sft.append_eos)
+            .await?;
         let log_path = self.output("sft_metrics.jsonl");
         let mut log = MetricsLog::open(&log_path, resumed.then_some(self.state.sft_step))
             .map_err(|source| io_error("cannot open", &log_path, source))?;
         let mut cursor = DataCursor::new(
-            records.len(),
+            self.sampler.records.len(),
             mix(self.config.run.seed, 2),
             self.config.data.shuffle,
             self.state.sft_data,
@@ -60,15 +37,7 @@ impl Controller<'_> {
                 .take(sft.batch_size)
                 .into_iter()
                 .map(|index| {
-                    let prompt = &self.sampler.prompt_ids[index];
-                    let completion = &completions[index];
-                    let tokens: Vec<u32> = prompt.iter().chain(completion).copied().collect();
-                    TrainSequence {
-                        loss_mask: (0..tokens.len()).map(|t| t >= prompt.len()).collect(),
-                        logprobs: vec![0.0; tokens.len()],
-                        tokens,
-                        advantage: 0.0,
-                    }
+                    supervised_sequence(&self.sampler.prompt_ids[index], &completions[index])
                 })
                 .collect();
             let (batches, packing) = micro_batches(

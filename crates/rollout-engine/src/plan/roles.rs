@@ -1,0 +1,362 @@
+//! The processes of a run and what each holds: `rollout run` is one process with the policy,
+//! the trainer and the reference; `rollout launch` a controller, generation workers and
+//! trainer ranks; reward models run where the rewards are scored.
+
+use crate::config::Config;
+
+use super::estimate::{
+    CONTROLLER_RUNTIME_BYTES, CUDA_CONTEXT_BYTES, CUDA_HOST_RUNTIME_BYTES, Component,
+    HEAP_RETENTION, PEFT_BITSANDBYTES_BYTES, Phases, PolicyMemory, RUNTIME_BYTES,
+    SANDBOX_RUNTIME_BYTES, component, count, frozen_weights_bytes, kv_cache,
+};
+use super::model::ModelShape;
+use super::options::{Device, Quantization, RewardModel};
+use super::workload::Workload;
+
+/// A separately loaded model the policy holds besides its own (reference, draft).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExtraModel {
+    pub shape: ModelShape,
+    pub quantization: Quantization,
+}
+
+/// Everything the role estimates are computed from.
+#[derive(Debug, Clone)]
+pub struct Inputs<'a> {
+    pub config: &'a Config,
+    pub policy: PolicyMemory<'a>,
+    /// `Some` when the run uses a reference; its model is `None` when it is the policy's base
+    /// with the adapters disabled (LoRA: no second copy).
+    pub reference: Option<Option<ExtraModel>>,
+    pub draft: Option<ModelShape>,
+    pub reward_models: Vec<(RewardModel, ModelShape)>,
+    /// Whether the run samples (not DPO or SFT).
+    pub samples: bool,
+    /// Preference pairs (DPO): two sequences per record.
+    pub pairs: bool,
+    /// Free memory of the policy's device, for the engine's `kv_cache_fraction` budget.
+    pub device_free: Option<u64>,
+}
+
+/// One process and its memory.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Role {
+    pub name: String,
+    pub components: Vec<Component>,
+}
+
+/// `rollout run`: every role in one process (plus the sandbox processes, if any).
+pub fn in_process(inputs: &Inputs<'_>) -> Vec<Role> {
+    let workload = Workload::of(inputs.config, inputs.policy.shape, inputs.samples, 1);
+    let mut components = runtime(inputs.policy.options.device, process_runtime(inputs));
+    components.push(inputs.policy.weights());
+    if inputs.samples {
+        components.extend(generation(inputs, &workload));
+    }
+    components.extend(training(inputs, &workload, 1, true));
+    let mut roles = vec![Role {
+        name: "run".into(),
+        components,
+    }];
+    place_reward_models(inputs, &mut roles);
+    roles
+}
+
+/// `rollout launch`: the controller, `[cluster] workers` generation workers and
+/// `[cluster] trainers` trainer ranks.
+pub fn launch(inputs: &Inputs<'_>) -> Vec<Role> {
+    let cluster = &inputs.config.cluster;
+    let device = inputs.policy.options.device;
+    let mut roles = vec![Role {
+        name: "controller".into(),
+        components: runtime(Device::Cpu, CONTROLLER_RUNTIME_BYTES),
+    }];
+    if inputs.samples {
+        let workers = u64::from(cluster.workers.max(1));
+        let workload = Workload::of(inputs.config, inputs.policy.shape, true, workers);
+        for index in 0..workers {
+            let mut components = runtime(device, process_runtime(inputs));
+            components.push(inputs.policy.weights());
+            components.extend(generation(inputs, &workload));
+            components.push(component(
+                "weight sync buffers",
+                Device::Cpu,
+                (2 * cluster.weight_bucket_bytes) as f64,
+                Phases::CHECKPOINT,
+                "a received bucket and the one being relayed".into(),
+            ));
+            roles.push(Role {
+                name: format!("worker {index}"),
+                components,
+            });
+        }
+    }
+    let ranks = u64::from(cluster.trainers.max(1));
+    let workload = Workload::of(inputs.config, inputs.policy.shape, inputs.samples, ranks);
+    for rank in 0..ranks {
+        let mut components = runtime(device, process_runtime(inputs));
+        components.push(inputs.policy.weights());
+        components.extend(training(inputs, &workload, ranks, rank == 0));
+        if inputs.samples && rank == 0 {
+            components.push(component(
+                "weight export",
+                Device::Cpu,
+                (inputs.policy.trainable * 4) as f64,
+                Phases::CHECKPOINT,
+                "float32 copies of the trained weights for the workers".into(),
+            ));
+        }
+        roles.push(Role {
+            name: format!("trainer {rank}"),
+            components,
+        });
+    }
+    place_reward_models(inputs, &mut roles);
+    roles
+}
+
+/// The baseline of a process holding the policy.
+fn process_runtime(inputs: &Inputs<'_>) -> u64 {
+    if inputs.policy.imports_peft() {
+        RUNTIME_BYTES + PEFT_BITSANDBYTES_BYTES
+    } else {
+        RUNTIME_BYTES
+    }
+}
+
+/// The process baseline, and on CUDA the driver's host memory and the device's context.
+fn runtime(device: Device, host_bytes: u64) -> Vec<Component> {
+    let mut parts = vec![component(
+        "runtime",
+        Device::Cpu,
+        host_bytes as f64,
+        Phases::ALL,
+        "Python, torch, transformers and the plugins, before any weight".into(),
+    )];
+    if let Device::Cuda(_) = device {
+        parts.push(component(
+            "CUDA runtime (host)",
+            Device::Cpu,
+            CUDA_HOST_RUNTIME_BYTES as f64,
+            Phases::ALL,
+            "driver and kernel images (estimate)".into(),
+        ));
+        parts.push(component(
+            "CUDA context",
+            device,
+            CUDA_CONTEXT_BYTES as f64,
+            Phases::ALL,
+            "context, cuBLAS workspace, allocator slack (estimate)".into(),
+        ));
+    }
+    parts
+}
+
+/// The sampling engine's KV cache, its forward passes and the draft model.
+fn generation(inputs: &Inputs<'_>, workload: &Workload) -> Vec<Component> {
+    let config = inputs.config;
+    let policy = &inputs.policy;
+    let mut parts = Vec::new();
+    if let Some(draft) = &inputs.draft {
+        let bytes = frozen_weights_bytes(
+            &draft.parameters(),
+            policy.options.dtype,
+            Quantization::None,
+        );
+        parts.push(component(
+            "draft model",
+            policy.options.device,
+            bytes,
+            Phases::ALL,
+            format!("{} parameters", count(draft.parameters().total())),
+        ));
+    }
+    parts.push(kv_cache(
+        policy.shape,
+        inputs.draft.as_ref(),
+        policy.options,
+        workload,
+        config,
+        inputs.device_free,
+    ));
+    let tokens = (config.engine.max_batch_tokens as u64)
+        .min(workload.rows() * workload.sequence_tokens())
+        .max(1);
+    let rows = workload.rows().min(config.engine.max_running as u64);
+    parts.push(policy.inference("generation forward", tokens, rows, Phases::GENERATE));
+    parts
+}
+
+/// Gradients, optimizer, activations, the reference and checkpoint copies of one trainer
+/// (of `ranks`); `first` holds the checkpoint copy.
+fn training(inputs: &Inputs<'_>, workload: &Workload, ranks: u64, first: bool) -> Vec<Component> {
+    let config = inputs.config;
+    let policy = &inputs.policy;
+    let options = policy.options;
+    let micro = config.train.micro_batch_tokens as u64;
+    let share = options.share_prompt_prefix && !options.gradient_checkpointing;
+    let mut tokens = if inputs.samples {
+        workload.train_tokens(micro, share)
+    } else {
+        let pairs = if inputs.pairs { 2 } else { 1 };
+        workload.supervised_tokens(workload.prompts * pairs, micro)
+    };
+    if let Some(sft) = &config.sft {
+        let rows = (sft.batch_size as u64).div_ceil(ranks);
+        tokens = tokens.max(workload.supervised_tokens(rows, micro));
+    }
+    let mut parts = vec![policy.gradients()];
+    parts.extend(policy.optimizer());
+    parts.extend(policy.activations(tokens));
+    if ranks > 1 {
+        parts.push(component(
+            "gradient all-reduce",
+            options.device,
+            (policy.trainable * 4) as f64,
+            Phases::TRAIN,
+            "flattened float32 gradient buckets".into(),
+        ));
+    }
+    parts.extend(reference(inputs, tokens));
+    if let Some(retained) = heap_retention(inputs, &parts, tokens) {
+        parts.push(retained);
+    }
+    if first {
+        parts.push(snapshot(inputs));
+    }
+    parts
+}
+
+/// On the host, the freed training memory glibc's heap keeps (`HEAP_RETENTION` of what the
+/// pass allocates), less the gradients and optimizer state that reuse it.
+fn heap_retention(inputs: &Inputs<'_>, parts: &[Component], tokens: u64) -> Option<Component> {
+    // A pinned threshold (`MALLOC_MMAP_THRESHOLD_`) returns every large tensor when freed.
+    if inputs.policy.options.device != Device::Cpu
+        || std::env::var_os("MALLOC_MMAP_THRESHOLD_").is_some()
+    {
+        return None;
+    }
+    let reused: u64 = parts
+        .iter()
+        .filter(|p| p.device == Device::Cpu)
+        .filter(|p| p.name == "gradients" || p.name.starts_with("optimizer state"))
+        .map(|p| p.bytes)
+        .sum();
+    let allocated = inputs.policy.allocated_bytes(tokens);
+    Some(component(
+        "allocator retention",
+        Device::Cpu,
+        HEAP_RETENTION * allocated - reused as f64,
+        Phases::TRAIN,
+        format!(
+            "freed memory glibc's heap keeps: {HEAP_RETENTION} x {} the pass allocates, less \
+             gradients and optimizer state",
+            super::report::size(allocated as u64)
+        ),
+    ))
+}
+
+fn reference(inputs: &Inputs<'_>, tokens: u64) -> Vec<Component> {
+    let policy = &inputs.policy;
+    let device = policy.options.device;
+    let Some(reference) = &inputs.reference else {
+        return Vec::new();
+    };
+    let mut parts = Vec::new();
+    match reference {
+        None => parts.push(component(
+            "reference model",
+            device,
+            0.0,
+            Phases::AFTER_LOAD,
+            "the base with the LoRA adapters disabled: no copy".into(),
+        )),
+        Some(model) => {
+            let params = model.shape.parameters();
+            parts.push(component(
+                "reference model",
+                device,
+                frozen_weights_bytes(&params, policy.options.dtype, model.quantization),
+                Phases::AFTER_LOAD,
+                format!(
+                    "{} frozen parameters, loaded at the first update",
+                    count(params.total())
+                ),
+            ));
+        }
+    }
+    parts.push(policy.inference("reference forward", tokens, tokens, Phases::TRAIN));
+    parts
+}
+
+/// The host copy of a checkpoint, taken at the step boundary; with background writes and
+/// checkpoints during the run it is still being written while the next step trains.
+fn snapshot(inputs: &Inputs<'_>) -> Component {
+    let config = inputs.config;
+    let checkpoint = &config.checkpoint;
+    let mid_run = (checkpoint.every > 0 && checkpoint.every < config.run.steps)
+        || (config.sft.is_some() && config.run.steps > 0);
+    // A background write (about 0.3 s per 100 MB) overlaps the next step's generation.
+    let overlaps = checkpoint.background && mid_run;
+    let copies = match inputs.policy.options.device {
+        Device::Cpu => 1,
+        // A host tensor from the device, then the bytes the writer holds.
+        Device::Cuda(_) => 2,
+    };
+    component(
+        "checkpoint copy",
+        Device::Cpu,
+        (copies * inputs.policy.snapshot_bytes()) as f64,
+        if overlaps {
+            Phases::CHECKPOINT.with(Phases::GENERATE)
+        } else {
+            Phases::CHECKPOINT
+        },
+        if overlaps {
+            "saved weights and optimizer state, written in the background during generation".into()
+        } else {
+            "saved weights and optimizer state, held until written".into()
+        },
+    )
+}
+
+/// Reward models load where rewards are scored: the run's (or controller's) process, or
+/// each sandbox process.
+fn place_reward_models(inputs: &Inputs<'_>, roles: &mut Vec<Role>) {
+    if inputs.reward_models.is_empty() {
+        return;
+    }
+    let models: Vec<Component> = inputs
+        .reward_models
+        .iter()
+        .map(|(reward, shape)| {
+            let bytes = frozen_weights_bytes(&shape.parameters(), reward.dtype, Quantization::None);
+            component(
+                "reward model",
+                reward.device,
+                bytes,
+                Phases::ALL,
+                format!(
+                    "`{}`: {} parameters",
+                    reward.name,
+                    count(shape.parameters().total())
+                ),
+            )
+        })
+        .collect();
+    let processes = inputs.config.sandbox.processes;
+    if processes == 0 {
+        if let Some(first) = roles.first_mut() {
+            first.components.extend(models);
+        }
+        return;
+    }
+    for index in 0..processes {
+        let mut components = runtime(Device::Cpu, SANDBOX_RUNTIME_BYTES);
+        components.extend(models.iter().cloned());
+        roles.push(Role {
+            name: format!("sandbox {index}"),
+            components,
+        });
+    }
+}

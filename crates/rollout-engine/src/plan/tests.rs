@@ -1,0 +1,321 @@
+//! The planner on whole configs: exact bytes of weights, gradients and optimizer state, and
+//! what LoRA, quantization, the KL reference, PPO's value head and the launch roles change.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+
+use super::estimate::{ADAMW_8BIT_BYTES, INT8_BYTES, NF4_BYTES};
+use super::*;
+
+/// The bench's small Llama: hidden 512, 8 layers, MLP 1376, 56 tokens: 25,362,944 parameters.
+const SMALL: &str = r#"{"model_type": "llama", "hidden_size": 512, "num_hidden_layers": 8,
+    "num_attention_heads": 8, "num_key_value_heads": 8, "intermediate_size": 1376,
+    "vocab_size": 56, "max_position_embeddings": 128, "tie_word_embeddings": false}"#;
+const PARAMS: u64 = 25_362_944;
+const LAYER_LINEAR: u64 = 8 * (4 * 512 * 512 + 3 * 512 * 1376);
+
+struct Setup {
+    dir: tempfile::TempDir,
+}
+
+impl Setup {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("model")).unwrap();
+        std::fs::write(dir.path().join("model/config.json"), SMALL).unwrap();
+        Setup { dir }
+    }
+
+    fn model(&self) -> PathBuf {
+        self.dir.path().join("model")
+    }
+
+    /// A config with `options` spliced into the policy's table and `extra` appended.
+    fn load(&self, options: &str, extra: &str) -> LoadedConfig {
+        let text = format!(
+            "[policy]\nplugin = \"python_plugins.hf_policy:HFCausalLM\"\n\
+             options = {{ model_path = \"{}\"{options} }}\n\
+             [data]\nplugin = \"d:D\"\n[[rewards]]\nplugin = \"r:R\"\n\
+             [rollout]\nprompts_per_step = 8\ngroup_size = 8\nmax_new_tokens = 32\n\
+             [run]\nplan_prompt_tokens = 6\n{extra}",
+            self.model().display()
+        );
+        crate::config::load_text(Path::new("plan.toml"), text, &[]).unwrap()
+    }
+
+    fn plan(&self, options: &str, extra: &str) -> Plan {
+        plan(&self.load(options, extra), Mode::Run, None).unwrap()
+    }
+}
+
+fn part(plan: &Plan, role: usize, name: &str) -> u64 {
+    plan.roles[role]
+        .devices
+        .iter()
+        .flat_map(|d| &d.components)
+        .filter(|c| c.name == name)
+        .map(|c| c.bytes)
+        .sum()
+}
+
+fn has(plan: &Plan, name: &str) -> bool {
+    plan.roles[0]
+        .devices
+        .iter()
+        .flat_map(|d| &d.components)
+        .any(|c| c.name == name)
+}
+
+#[test]
+fn full_fp32_training_is_16_bytes_per_parameter_plus_the_rest() {
+    let setup = Setup::new();
+    let plan = setup.plan("", "");
+    assert_eq!(plan.model.parameters, PARAMS);
+    assert_eq!(plan.model.trainable_parameters, PARAMS);
+    assert_eq!(part(&plan, 0, "weights"), 4 * PARAMS);
+    assert_eq!(part(&plan, 0, "gradients"), 4 * PARAMS);
+    assert_eq!(part(&plan, 0, "optimizer state"), 8 * PARAMS);
+    assert!(!has(&plan, "reference model"));
+    let device = &plan.roles[0].devices[0];
+    assert_eq!(device.device, "cpu");
+    assert_eq!(device.peak_phase, "train");
+    assert_eq!(plan.devices.len(), 1);
+}
+
+#[test]
+fn bfloat16_halves_weights_gradients_and_moments() {
+    let setup = Setup::new();
+    let plan = setup.plan(", dtype = \"bfloat16\"", "");
+    assert_eq!(part(&plan, 0, "weights"), 2 * PARAMS);
+    assert_eq!(part(&plan, 0, "gradients"), 2 * PARAMS);
+    assert_eq!(part(&plan, 0, "optimizer state"), 4 * PARAMS);
+}
+
+#[test]
+fn kl_loads_a_reference_copy_unless_lora() {
+    let setup = Setup::new();
+    let kl = "[algorithm]\nkl_coef = 0.04\n";
+    let plan = setup.plan("", kl);
+    assert_eq!(part(&plan, 0, "reference model"), 4 * PARAMS);
+    assert!(has(&plan, "reference forward"));
+    let quantized = setup.plan(", reference_quantization = \"int8\"", kl);
+    let expected = LAYER_LINEAR as f64 * INT8_BYTES + ((PARAMS - LAYER_LINEAR) * 4) as f64;
+    assert_eq!(part(&quantized, 0, "reference model"), expected as u64);
+    let lora = setup.plan(", lora_rank = 8", kl);
+    assert_eq!(part(&lora, 0, "reference model"), 0);
+}
+
+#[test]
+fn lora_trains_only_the_adapters() {
+    let setup = Setup::new();
+    let plan = setup.plan(", lora_rank = 16", "");
+    // q, k, v, o of 512 x 512 each: 16 x (512 + 512) per module, 4 modules, 8 layers.
+    let adapters = 8 * 4 * 16 * (512 + 512);
+    assert_eq!(plan.model.trainable_parameters, adapters);
+    assert_eq!(part(&plan, 0, "weights"), 4 * PARAMS + 4 * adapters);
+    assert_eq!(part(&plan, 0, "gradients"), 4 * adapters);
+    assert_eq!(part(&plan, 0, "optimizer state"), 8 * adapters);
+    let full = setup.plan("", "");
+    assert!(part(&plan, 0, "activations") < part(&full, 0, "activations"));
+    let mlp = setup.plan(
+        ", lora_rank = 16, lora_target_modules = [\"gate_proj\", \"down_proj\"]",
+        "",
+    );
+    assert_eq!(mlp.model.trainable_parameters, 8 * 16 * 2 * (512 + 1376));
+}
+
+#[test]
+fn quantized_base_stores_layer_weights_in_fewer_bits() {
+    let setup = Setup::new();
+    let rest = ((PARAMS - LAYER_LINEAR) * 4) as f64;
+    let adapters = 4 * 8 * 4 * 16 * 1024;
+    for (name, per_weight) in [("int8", INT8_BYTES), ("nf4", NF4_BYTES)] {
+        let plan = setup.plan(&format!(", lora_rank = 16, quantization = \"{name}\""), "");
+        let expected = (LAYER_LINEAR as f64 * per_weight + rest) as u64 + adapters;
+        assert_eq!(part(&plan, 0, "weights"), expected, "{name}");
+    }
+}
+
+#[test]
+fn eight_bit_adam_and_offloading() {
+    let setup = Setup::new();
+    let plan = setup.plan(", optimizer = \"adamw_8bit\"", "");
+    assert_eq!(
+        part(&plan, 0, "optimizer state"),
+        (PARAMS as f64 * ADAMW_8BIT_BYTES) as u64
+    );
+    // On CUDA the offloaded state (and host copies of weights and gradients) is host memory.
+    let cuda = setup.plan(", device = \"cuda:1\", offload_optimizer = true", "");
+    let role = &cuda.roles[0];
+    let host = role.devices.iter().find(|d| d.device == "cpu").unwrap();
+    let state = host
+        .components
+        .iter()
+        .find(|c| c.name == "optimizer state (offloaded)")
+        .unwrap();
+    assert_eq!(state.bytes, 8 * PARAMS + 8 * PARAMS);
+    let device = role.devices.iter().find(|d| d.device == "cuda:1").unwrap();
+    assert!(
+        device
+            .components
+            .iter()
+            .all(|c| !c.name.starts_with("optimizer"))
+    );
+    // No memory limit: the device cannot be checked here, and says so.
+    let check = cuda.devices.iter().find(|d| d.device == "cuda:1").unwrap();
+    assert_eq!(check.fits, None);
+    assert!(
+        cuda.notes
+            .iter()
+            .any(|n| n.contains("cuda:1 cannot be checked"))
+    );
+}
+
+#[test]
+fn ppo_value_head_adds_hidden_plus_one_parameters() {
+    let shape = ModelShape::parse(Path::new("config.json"), SMALL).unwrap();
+    let setup = Setup::new();
+    let loaded = setup.load("", "");
+    let options = PolicyOptions::read(&loaded, false).unwrap();
+    let grpo = PolicyMemory::new(&shape, &options, false);
+    let ppo = PolicyMemory::new(&shape, &options, true);
+    assert_eq!(ppo.trainable - grpo.trainable, 513);
+    assert_eq!(ppo.gradients().bytes - grpo.gradients().bytes, 4 * 513);
+    assert_eq!(ppo.weights().bytes - grpo.weights().bytes, 4 * 513);
+}
+
+#[test]
+fn gradient_checkpointing_keeps_layer_inputs_only() {
+    let setup = Setup::new();
+    let full = part(&setup.plan("", ""), 0, "activations");
+    let checkpointed = part(
+        &setup.plan(", gradient_checkpointing = true", ""),
+        0,
+        "activations",
+    );
+    assert!(checkpointed * 4 < full, "{checkpointed} vs {full}");
+    // Smaller micro-batches, smaller activations.
+    let small = part(
+        &setup.plan("", "[train]\nmicro_batch_tokens = 512\n"),
+        0,
+        "activations",
+    );
+    assert!(small * 4 < full);
+}
+
+#[test]
+fn launch_plans_controller_workers_and_ranks() {
+    let setup = Setup::new();
+    let loaded = setup.load("", "[cluster]\nworkers = 2\ntrainers = 2\n");
+    let plan = plan(
+        &loaded,
+        Mode::Launch {
+            external_roles: false,
+        },
+        None,
+    )
+    .unwrap();
+    let names: Vec<&str> = plan.roles.iter().map(|r| r.role.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "controller",
+            "worker 0",
+            "worker 1",
+            "trainer 0",
+            "trainer 1"
+        ]
+    );
+    // Workers hold no optimizer; ranks train half the rows each; rank 0 keeps the checkpoint.
+    assert_eq!(part(&plan, 1, "optimizer state"), 0);
+    assert!(part(&plan, 1, "KV cache") > 0);
+    assert_eq!(part(&plan, 3, "optimizer state"), 8 * PARAMS);
+    assert!(part(&plan, 3, "checkpoint copy") > 0);
+    assert_eq!(part(&plan, 4, "checkpoint copy"), 0);
+    assert_eq!(part(&plan, 3, "gradient all-reduce"), 4 * PARAMS);
+    let total: u64 = plan
+        .roles
+        .iter()
+        .flat_map(|r| &r.devices)
+        .map(|d| d.peak_bytes)
+        .sum();
+    assert_eq!(plan.devices[0].predicted_peak_bytes, total);
+    let external = plan_external(&loaded);
+    assert!(external.devices[0].predicted_peak_bytes < total);
+}
+
+fn plan_external(loaded: &LoadedConfig) -> Plan {
+    plan(
+        loaded,
+        Mode::Launch {
+            external_roles: true,
+        },
+        None,
+    )
+    .unwrap()
+}
+
+#[test]
+fn a_tiny_limit_refuses_and_names_the_device() {
+    let setup = Setup::new();
+    let plan = setup.plan("", "");
+    assert!(check(&plan).is_ok());
+    let loaded = setup.load("", "");
+    let refused = super::plan(&loaded, Mode::Run, Some(0.5)).unwrap();
+    let err = check(&refused).unwrap_err().to_string();
+    assert!(err.contains("cpu: predicted peak"), "{err}");
+    assert!(err.contains("476.8 MiB available (memory limit)"), "{err}");
+    assert!(err.contains("--no-plan-check"), "{err}");
+    assert!(gate(&loaded, Mode::Run, Some(0.5), true).is_err());
+    assert!(gate(&loaded, Mode::Run, Some(0.5), false).is_ok());
+}
+
+#[test]
+fn unplannable_runs_are_clear_errors() {
+    let setup = Setup::new();
+    let missing = setup.dir.path().join("nowhere");
+    let text = format!(
+        "[policy]\nplugin = \"m:P\"\noptions = {{ model_path = \"{}\" }}\n\
+         [data]\nplugin = \"d:D\"\n[[rewards]]\nplugin = \"r:R\"\n",
+        missing.display()
+    );
+    let loaded = crate::config::load_text(Path::new("plan.toml"), text, &[]).unwrap();
+    let err = plan(&loaded, Mode::Run, None).unwrap_err().to_string();
+    assert!(err.starts_with("plan.toml:3:"), "{err}");
+    assert!(err.contains("nowhere/config.json"), "{err}");
+    // ... but a run goes ahead: loading will report it.
+    assert!(gate(&loaded, Mode::Run, None, true).is_ok());
+
+    let toy =
+        "[policy]\nplugin = \"toy:Toy\"\n[data]\nplugin = \"d:D\"\n[[rewards]]\nplugin = \"r:R\"\n";
+    let loaded = crate::config::load_text(Path::new("toy.toml"), toy.into(), &[]).unwrap();
+    let err = plan(&loaded, Mode::Run, None).unwrap_err();
+    assert!(matches!(err, PlanError::UnknownPolicy { .. }), "{err}");
+
+    let bad = setup.load(", dtype = \"float64\"", "");
+    let err = plan(&bad, Mode::Run, None).unwrap_err();
+    assert!(matches!(err, PlanError::Config(_)));
+    assert!(err.to_string().starts_with("plan.toml:3:"), "{err}");
+    assert!(err.to_string().contains("policy.options.dtype"), "{err}");
+}
+
+#[test]
+fn host_heap_retention_is_reused_by_gradients_and_optimizer_state() {
+    let setup = Setup::new();
+    let full = setup.plan("", "");
+    let lora = setup.plan(", lora_rank = 16", "");
+    // The same pass allocates the same; full fine-tuning's gradients and moments reuse it.
+    let reuse = part(&full, 0, "gradients") + part(&full, 0, "optimizer state");
+    let lora_reuse = part(&lora, 0, "gradients") + part(&lora, 0, "optimizer state");
+    let difference = part(&lora, 0, "allocator retention") - part(&full, 0, "allocator retention");
+    assert!(difference.abs_diff(reuse - lora_reuse) <= 1, "{difference}");
+    // PEFT and bitsandbytes are imported for LoRA.
+    assert_eq!(
+        part(&lora, 0, "runtime") - part(&full, 0, "runtime"),
+        52 << 20
+    );
+    // No host heap retention for a CUDA policy's device memory.
+    let cuda = setup.plan(", device = \"cuda\"", "");
+    assert_eq!(part(&cuda, 0, "allocator retention"), 0);
+}

@@ -1,0 +1,258 @@
+//! `rollout plan` and the memory check of `rollout run`: a peak per role, JSON that parses,
+//! a run that cannot fit refused before Python loads, and config errors located.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .canonicalize()
+        .unwrap()
+}
+
+fn rollout(args: &[&str], cwd: &Path) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_rollout"))
+        .args(args)
+        .current_dir(cwd)
+        .env_remove("ROLLOUT_LOG")
+        .output()
+        .expect("the rollout binary runs")
+}
+
+fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+fn stdout(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+/// The quickstart's model shape (hidden 256, 4 layers): only its config.json is needed.
+const MODEL: &str = r#"{"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 1024,
+    "vocab_size": 56, "max_position_embeddings": 128, "tie_word_embeddings": false}"#;
+
+/// A config for the HF policy over a model directory holding only `config.json`;
+/// `options` is spliced into the policy's options and `extra` appended.
+fn config(dir: &Path, options: &str, extra: &str) -> PathBuf {
+    std::fs::create_dir_all(dir.join("model")).unwrap();
+    std::fs::write(dir.join("model/config.json"), MODEL).unwrap();
+    let text = format!(
+        r#"[run]
+output_dir = "{out}"
+steps = 2
+
+[policy]
+plugin = "python_plugins.hf_policy:HFCausalLM"
+options = {{ model_path = "{model}"{options} }}
+
+[data]
+plugin = "python_plugins.data:JsonlPrompts"
+options = {{ path = "{prompts}" }}
+
+[[rewards]]
+plugin = "python_plugins.rewards:ExactMatch"
+
+[rollout]
+prompts_per_step = 4
+group_size = 4
+max_new_tokens = 8
+{extra}"#,
+        out = dir.join("out").display(),
+        model = dir.join("model").display(),
+        prompts = repo().join("tests/fixtures/prompts.jsonl").display(),
+    );
+    let path = dir.join("plan.toml");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+#[test]
+fn plan_prints_a_peak_per_role() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = config(tmp.path(), "", "");
+    let out = rollout(&["plan", path.to_str().unwrap()], tmp.path());
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    assert!(text.contains("run on cpu: peak "), "{text}");
+    assert!(text.contains("optimizer state"), "{text}");
+    assert!(text.contains("cpu: predicted peak"), "{text}");
+
+    let out = rollout(
+        &[
+            "plan",
+            path.to_str().unwrap(),
+            "--launch",
+            "--set",
+            "cluster.workers=2",
+        ],
+        tmp.path(),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let text = stdout(&out);
+    for role in [
+        "controller on cpu",
+        "worker 0 on cpu",
+        "worker 1 on cpu",
+        "trainer 0 on cpu",
+    ] {
+        assert!(text.contains(role), "{role}: {text}");
+    }
+}
+
+#[test]
+fn plan_json_parses() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = config(tmp.path(), "", "[algorithm]\nkl_coef = 0.1\n");
+    let out = rollout(&["plan", path.to_str().unwrap(), "--json"], tmp.path());
+    assert!(out.status.success(), "{}", stderr(&out));
+    let plan: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(plan["model"]["parameters"], 4_225_280);
+    let device = &plan["roles"][0]["devices"][0];
+    assert_eq!(device["device"], "cpu");
+    assert!(device["peak_bytes"].as_u64().unwrap() > 690 << 20);
+    let names: Vec<&str> = device["components"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["name"].as_str().unwrap())
+        .collect();
+    assert!(names.contains(&"reference model"), "{names:?}");
+    assert_eq!(plan["devices"][0]["fits"], true);
+}
+
+#[test]
+fn run_that_cannot_fit_is_refused_before_python_loads() {
+    let tmp = tempfile::tempdir().unwrap();
+    // A venv that does not exist: starting Python would fail with another error.
+    let extra = "[python]\nvenv = \"/nonexistent-venv\"\n";
+    let path = config(tmp.path(), "", extra);
+    let path = path.to_str().unwrap();
+    let out = rollout(&["run", path, "--memory-limit", "0.1"], tmp.path());
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(err.contains("will not fit in memory"), "{err}");
+    assert!(err.contains("cpu: predicted peak"), "{err}");
+    assert!(err.contains("95.4 MiB available (memory limit)"), "{err}");
+    assert!(!err.contains("nonexistent-venv"), "{err}");
+    assert!(!tmp.path().join("out").exists());
+
+    // The same from the config, and `rollout launch` too.
+    let limited = rollout(
+        &["run", path, "--set", "run.memory_limit_gb=0.1"],
+        tmp.path(),
+    );
+    assert!(
+        stderr(&limited).contains("will not fit in memory"),
+        "{}",
+        stderr(&limited)
+    );
+    let launch = rollout(&["launch", path, "--memory-limit", "0.1"], tmp.path());
+    assert!(
+        stderr(&launch).contains("will not fit in memory"),
+        "{}",
+        stderr(&launch)
+    );
+
+    // The escape hatches: the run goes on to start Python (and fails on the venv).
+    for args in [
+        vec!["run", path, "--memory-limit", "0.1", "--no-plan-check"],
+        vec![
+            "run",
+            path,
+            "--memory-limit",
+            "0.1",
+            "--set",
+            "run.plan_check=false",
+        ],
+    ] {
+        let out = rollout(&args, tmp.path());
+        let err = stderr(&out);
+        assert!(!err.contains("will not fit"), "{err}");
+        assert!(err.contains("nonexistent-venv"), "{err}");
+    }
+}
+
+#[test]
+fn plan_config_errors_are_located() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = config(tmp.path(), ", dtype = \"float64\"", "");
+    let out = rollout(&["plan", path.to_str().unwrap()], tmp.path());
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert!(err.contains("plan.toml:7:"), "{err}");
+    assert!(
+        err.contains("`policy.options.dtype`: must be one of"),
+        "{err}"
+    );
+
+    let path = config(tmp.path(), "", "");
+    let out = rollout(
+        &[
+            "plan",
+            path.to_str().unwrap(),
+            "--set",
+            "run.plan_chek=false",
+        ],
+        tmp.path(),
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        stderr(&out).contains("did you mean `plan_check`?"),
+        "{}",
+        stderr(&out)
+    );
+
+    let text = std::fs::read_to_string(&path)
+        .unwrap()
+        .replace("steps = 2", "steps = 2\nmemory_limit_gb = -1");
+    std::fs::write(&path, text).unwrap();
+    let out = rollout(&["plan", path.to_str().unwrap()], tmp.path());
+    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert!(
+        err.contains("plan.toml:4:1: `run.memory_limit_gb`"),
+        "{err}"
+    );
+}
+
+#[test]
+fn plan_names_a_missing_model_directory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = config(tmp.path(), "", "");
+    let out = rollout(
+        &[
+            "plan",
+            path.to_str().unwrap(),
+            "--set",
+            "policy.options.model_path=no/such/model",
+        ],
+        tmp.path(),
+    );
+    assert_eq!(out.status.code(), Some(1));
+    let err = stderr(&out);
+    assert!(err.contains("--set policy.options.model_path"), "{err}");
+    assert!(err.contains("no/such/model/config.json"), "{err}");
+}
+
+#[test]
+fn plan_covers_every_shipped_config_whose_model_exists() {
+    let repo = repo();
+    for entry in std::fs::read_dir(repo.join("configs")).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_none_or(|e| e != "toml") {
+            continue;
+        }
+        let out = rollout(&["plan", path.to_str().unwrap()], &repo);
+        let err = stderr(&out);
+        if err.contains("cannot read") && err.contains("config.json") {
+            // The model is created by a setup step (`rollout init-quickstart`).
+            continue;
+        }
+        assert!(out.status.success(), "{}: {err}", path.display());
+        assert!(stdout(&out).contains(": peak "), "{}", path.display());
+    }
+}
