@@ -18,7 +18,6 @@ from tests.e2e.test_rollout_binary import ROLLOUT, artifacts, learning_signal, m
 
 __all__ = ["artifacts"]
 
-# Enough steps that a restarted or late worker (a few seconds to load) joins before the end.
 STEPS = 60
 PROMPTS_PER_STEP = 2
 GROUP_SIZE = 4
@@ -90,8 +89,29 @@ def pids(log: Path, role: str) -> list[int]:
     return [int(pid) for pid in re.findall(rf"started {role} \(pid (\d+)\)", log.read_text())]
 
 
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+
+
+def gate(directory: Path) -> Path:
+    """While this file exists the run waits at its next step boundary (see gate_config)."""
+    return directory / "hold"
+
+
+def gate_config(directory: Path) -> str:
+    return f"""
+[python]
+paths = ["{FIXTURES}"]
+
+[[callbacks]]
+plugin = "gate_plugins:HoldWhileFileExists"
+options = {{ path = "{gate(directory)}" }}
+"""
+
+
 def fault_config(directory: Path, artifacts: Path, workers: int, extra: str = "", steps: int = STEPS) -> Path:
-    config = write_config(directory, artifacts, steps=steps, extra=cluster(workers, 1, 0, extra))
+    config = write_config(
+        directory, artifacts, steps=steps, extra=cluster(workers, 1, 0, extra) + gate_config(directory)
+    )
     text = config.read_text().replace("[run]\n", "[run]\nlog_samples = 1000\n", 1)
     # Long completions keep a worker busy, so a kill lands while it holds leases.
     config.write_text(text.replace("max_new_tokens = 4", "max_new_tokens = 24"))
@@ -103,8 +123,10 @@ def test_a_killed_worker_is_restarted_and_no_group_is_lost(tmp_path: Path, artif
     wait_for(lambda: steps_done(tmp_path) >= 2, process, log, "step 2")
     victim = pids(log, "worker-0")[0]
     os.kill(victim, signal.SIGKILL)
+    gate(tmp_path).touch()  # however fast the steps, the run waits for the restarted worker
     rejoined = "worker-0 joined the run's generation workers"
     wait_for(lambda: rejoined in log.read_text(), process, log, "a restarted worker-0")
+    gate(tmp_path).unlink()
     stderr = finish(process, log)
     assert "worker-0 exited with signal: 9" in stderr and "starting it again" in stderr
     lines = metrics(tmp_path)
@@ -136,6 +158,7 @@ def test_a_worker_started_mid_run_pulls_the_weights_and_gets_work(tmp_path: Path
     late = None
     try:
         wait_for(lambda: steps_done(tmp_path) >= 2, process, log, "step 2")
+        gate(tmp_path).touch()
         late = subprocess.Popen(
             [str(ROLLOUT), "worker", "--connect", f"127.0.0.1:{port}", "--name", "latecomer"],
             cwd=tmp_path,
@@ -146,6 +169,7 @@ def test_a_worker_started_mid_run_pulls_the_weights_and_gets_work(tmp_path: Path
         )
         joined = "latecomer joined the run's generation workers"
         wait_for(lambda: joined in log.read_text(), process, log, "the late worker")
+        gate(tmp_path).unlink()
         stderr = finish(process, log)
         late_stderr = late.communicate(timeout=60)[1]
     finally:

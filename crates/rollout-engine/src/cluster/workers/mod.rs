@@ -182,14 +182,15 @@ impl Shared {
         loop {
             let latest = lock(&self.latest).clone();
             if let Some(weights) = &latest {
-                let request = SyncWeights {
-                    weights: weights.clone(),
-                };
-                let pull = send::<_, WeightsReport>(&member.client, &request);
-                let report = tokio::time::timeout(limit, pull)
-                    .await
-                    .map_err(|_| self.timed_out(&member, limit))??;
-                verify(&member.name, &report, weights)?;
+                match self.pull_latest(&member, weights, limit).await {
+                    Ok(()) => {}
+                    // A newer version replaced this one mid-pull: pull that one instead.
+                    Err(err) if !is_loss(&err) && *lock(&self.latest) != latest => {
+                        tracing::debug!("{}: {err}; pulling the newer version", member.name);
+                        continue;
+                    }
+                    Err(err) => return Err(err),
+                }
             }
             let mut members = lock(&self.members);
             if *lock(&self.latest) == latest {
@@ -201,6 +202,22 @@ impl Shared {
         self.arrived.notify_waiters();
         tracing::info!("{} joined the run's generation workers", member.name);
         Ok(())
+    }
+
+    async fn pull_latest(
+        &self,
+        member: &Member,
+        weights: &WeightsReport,
+        limit: Duration,
+    ) -> Result<(), RoleError> {
+        let request = SyncWeights {
+            weights: weights.clone(),
+        };
+        let pull = send::<_, WeightsReport>(&member.client, &request);
+        let report = tokio::time::timeout(limit, pull)
+            .await
+            .map_err(|_| self.timed_out(member, limit))??;
+        verify(&member.name, &report, weights)
     }
 
     fn timed_out(&self, member: &Member, limit: Duration) -> RoleError {

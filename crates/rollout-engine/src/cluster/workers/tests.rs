@@ -6,8 +6,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use rollout_net::link::{Link, LinkLimits};
 use rollout_net::messages::{
-    Completion, FinishReason, GenerateRequest, GenerateResponse, GroupRef, Hello, MessageKind,
-    PromptRequest, SamplingParams,
+    Completion, Done, FinishReason, GenerateRequest, GenerateResponse, GroupRef, Hello,
+    MessageKind, PromptRequest, SamplingParams, SyncWeights, WeightsReport,
 };
 use rollout_net::{ClusterKey, rpc::RpcClient};
 
@@ -253,5 +253,101 @@ async fn a_worker_that_connects_after_the_run_is_told_it_is_over() {
         first,
         MessageKind::Shutdown,
         "no Welcome once the run is over"
+    );
+}
+
+fn weights(version: u64) -> WeightsReport {
+    WeightsReport {
+        version,
+        checksum: format!("checksum-{version}"),
+        bytes: 8,
+        source: "127.0.0.1:1".into(),
+        holder: "trainer-0".into(),
+    }
+}
+
+/// A late worker whose first pull fails because the trainer moved on to a newer version
+/// meanwhile (the trainer keeps one version): it pulls the newer one and joins.
+#[tokio::test]
+async fn a_late_worker_whose_version_is_replaced_mid_pull_pulls_the_newer_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let workers = pool(
+        &[],
+        PoolSettings::default(),
+        &dir.path().join("ledger.jsonl"),
+    )
+    .await;
+    workers.load_weights(weights(1)).await.unwrap();
+    let (links, joined) = tokio::sync::mpsc::channel(1);
+    workers.admit_late_workers(joined, "config".into());
+
+    let key = ClusterKey::from_secret(ClusterKey::random_secret().as_bytes()).unwrap();
+    let listener = rollout_net::link::listen("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    let limits = LinkLimits::default();
+    let (pulling, mut first_pull) = tokio::sync::mpsc::channel(1);
+    let (replaced, go_on) = tokio::sync::oneshot::channel::<()>();
+    let latecomer = tokio::spawn({
+        let (key, limits) = (key.clone(), limits.clone());
+        async move {
+            let link = Link::connect(&address, &key, &hello("worker", "late"), &limits)
+                .await
+                .unwrap();
+            let mut server = link.server();
+            let mut go_on = Some(go_on);
+            let mut pulled = Vec::new();
+            while let Some(incoming) = server.requests.recv().await {
+                let (call, responder) = (incoming.call, &server.responder);
+                match incoming.frame.kind {
+                    MessageKind::Welcome => responder.reply(call, &Done {}, Bytes::new(), false),
+                    MessageKind::SyncWeights => {
+                        let request: SyncWeights = incoming.decode().unwrap();
+                        pulled.push(request.weights.version);
+                        if let Some(go_on) = go_on.take() {
+                            pulling.send(()).await.unwrap();
+                            go_on.await.unwrap();
+                            responder.fail(call, "version 1 was replaced by 2 before it was pulled")
+                        } else {
+                            responder.reply(call, &request.weights, Bytes::new(), false)
+                        }
+                    }
+                    MessageKind::GenerateRequest => {
+                        let request: GenerateRequest = incoming.decode().unwrap();
+                        let groups = request.prompts.iter().map(|p| vec![completion(p); 2]);
+                        let response = GenerateResponse {
+                            groups: groups.collect(),
+                            metrics: Default::default(),
+                        };
+                        responder
+                            .reply(call, &response, Bytes::new(), false)
+                            .unwrap();
+                        return pulled;
+                    }
+                    other => panic!("unexpected {other:?}"),
+                }
+                .unwrap();
+            }
+            pulled
+        }
+    });
+    let (stream, _) = listener.accept().await.unwrap();
+    let link = Link::accept(stream, &key, &hello("controller", "controller"), &limits)
+        .await
+        .unwrap();
+    links.send(link).await.unwrap();
+    first_pull.recv().await.unwrap();
+    workers.load_weights(weights(2)).await.unwrap();
+    replaced.send(()).unwrap();
+
+    let response = tokio::time::timeout(Duration::from_secs(10), workers.generate(request(1, 2)))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_every_prompt_answered(&response, 2);
+    let pulled = latecomer.await.unwrap();
+    assert_eq!(
+        pulled,
+        vec![1, 2],
+        "the newer version is pulled after the failed one"
     );
 }
