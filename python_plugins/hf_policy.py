@@ -28,6 +28,7 @@ from python_plugins.model_setup import (
 )
 from python_plugins.sampling import select_tokens
 from python_plugins.shared_prefix import plan_shared_prefixes, shared_prefix_logprobs
+from python_plugins.value_head import ValueHead, logprobs_and_hidden
 from rollout_sdk import (
     EngineStep,
     EngineStepOutput,
@@ -39,7 +40,7 @@ from rollout_sdk import (
     TokenBatch,
     TrainBatch,
 )
-from rollout_sdk.objectives import needs_reference, objective_loss, token_logprobs
+from rollout_sdk.objectives import needs_reference, needs_values, objective_loss, token_logprobs
 from rollout_sdk.snapshot import TensorFile, write_snapshot
 
 __all__ = ["HFCausalLM"]
@@ -89,6 +90,9 @@ class HFCausalLM(Policy):
         optimizer: Literal["adamw", "adamw_8bit"] = "adamw"
         # Optimizer state (and its copy of the trained weights) in CPU memory; for GPU runs.
         offload_optimizer: bool = False
+        # PPO's value head (python_plugins/value_head.py) learns at this fixed rate; unset, at
+        # the policy's rate of each update.
+        value_learning_rate: float | None = None
 
         def __post_init__(self) -> None:
             for name in ("weight_decay", "adam_eps", "max_grad_norm", "torch_threads"):
@@ -120,6 +124,7 @@ class HFCausalLM(Policy):
         if config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.reference: PreTrainedModel | None = None
+        self.value_head: ValueHead | None = None
         self.trainable = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
         # The engine passes the learning rate of every update to `apply_update`.
         self.optimizer: torch.optim.Optimizer | CpuOffloadOptimizer = build_optimizer(
@@ -296,8 +301,13 @@ class HFCausalLM(Policy):
         objective = batch.objective
         temperature = getattr(objective, "temperature", 1.0)
         self._set_training(True)
-        # Gradient checkpointing turns the KV cache off inside the model, so nothing to share.
-        share = self.config.share_prompt_prefix and not self.config.gradient_checkpointing
+        # Gradient checkpointing turns the KV cache off inside the model, so nothing to share;
+        # the value head needs every position's hidden state.
+        share = (
+            self.config.share_prompt_prefix
+            and not self.config.gradient_checkpointing
+            and not needs_values(objective)
+        )
         plan = plan_shared_prefixes(batch.input_ids, batch.attention_mask, batch.loss_mask) if share else None
 
         def sequence_logprobs(model: PreTrainedModel) -> torch.Tensor:
@@ -306,7 +316,13 @@ class HFCausalLM(Policy):
             input_ids, attention_mask = self._as_tensors(batch.input_ids, batch.attention_mask)
             return self._token_logprobs(model, input_ids, attention_mask, temperature)
 
-        logprobs = sequence_logprobs(self.model)
+        values = None
+        if needs_values(objective):
+            input_ids, attention_mask = self._as_tensors(batch.input_ids, batch.attention_mask)
+            logprobs, hidden = logprobs_and_hidden(self.model, input_ids, attention_mask, temperature)
+            values = self._value_head()(hidden)
+        else:
+            logprobs = sequence_logprobs(self.model)
         ref_logprobs = None
         reference_seconds = 0.0
         if needs_reference(objective):
@@ -314,9 +330,29 @@ class HFCausalLM(Policy):
             with torch.no_grad():
                 ref_logprobs = sequence_logprobs(self._reference())
             reference_seconds = time.perf_counter() - started
-        output = objective_loss(logprobs, batch, ref_logprobs=ref_logprobs)
+        output = objective_loss(logprobs, batch, ref_logprobs=ref_logprobs, values=values)
         output.loss.backward()
         return {**output.metrics, "reference_seconds": reference_seconds}
+
+    @torch.no_grad()
+    def values(self, batch: TrainBatch) -> np.ndarray:
+        self._set_training(False)
+        input_ids, attention_mask = self._as_tensors(batch.input_ids, batch.attention_mask)
+        _, hidden = logprobs_and_hidden(self.model, input_ids, attention_mask, 1.0)
+        values = self._value_head()(hidden) * attention_mask
+        return values.cpu().numpy().astype(np.float32)
+
+    def _value_head(self) -> ValueHead:
+        if self.value_head is None:
+            self.value_head = ValueHead(
+                self.model.config.hidden_size,
+                self.device,
+                betas=self.config.adam_betas,
+                eps=self.config.adam_eps,
+                max_grad_norm=self.config.max_grad_norm,
+                learning_rate=self.config.value_learning_rate,
+            )
+        return self.value_head
 
     def _reference(self) -> PreTrainedModel:
         if self.reference is None and self.lora is not None and self.config.reference_model_path is None:
@@ -339,12 +375,19 @@ class HFCausalLM(Policy):
             )
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate
-        self.optimizer.step()
+        # An exactly zero gradient (PPO's critic warm-up; data-parallel ranks fill missing
+        # gradients with zeros) must not move the weights through Adam's momentum.
+        if float(grad_norm) > 0.0:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": float(grad_norm), "learning_rate": float(learning_rate)}
+        metrics = {"grad_norm": float(grad_norm), "learning_rate": float(learning_rate)}
+        if self.value_head is not None:
+            metrics.update(self.value_head.apply_update(learning_rate))
+        return metrics
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
-        return [p for _, p in self.trainable]
+        head = self.value_head.named_parameters() if self.value_head is not None else []
+        return [p for _, p in [*self.trainable, *head]]
 
     # Weights and checkpoints
 
@@ -380,6 +423,8 @@ class HFCausalLM(Policy):
         model = lora.files(self.tokenizer) if lora is not None else model_files(self.model, self.tokenizer)
         files = {f"model/{name}": content for name, content in model.items()}
         files.update(optimizer_files(self.optimizer, [name for name, _ in self.trainable]))
+        if self.value_head is not None:
+            files.update(self.value_head.files())
         return files
 
     def load(self, directory: str) -> None:
@@ -389,6 +434,8 @@ class HFCausalLM(Policy):
         else:
             self._load_weights(root / "model")
         load_optimizer(root, self.optimizer, [name for name, _ in self.trainable])
+        if ValueHead.saved_in(root):
+            self._value_head().load(root)
 
     @torch.no_grad()
     def _load_weights(self, model_dir: Path) -> None:

@@ -1,8 +1,9 @@
 """Reference torch implementations of the training objectives in :mod:`rollout_sdk.types`.
 
 Policy plugins call :func:`objective_loss` with the per-token logprobs of their forward pass
-(and the reference model's when :func:`needs_reference`) so every model computes every
-objective the same way. Importing this module imports torch. A new objective is a dataclass in
+(the reference model's when :func:`needs_reference`, and their value head's predictions when
+:func:`needs_values`) so every model computes every objective the same way. Importing this
+module imports torch. A new objective is a dataclass in
 :mod:`rollout_sdk.types`, a variant of the engine's ``Objective`` and a branch here.
 """
 
@@ -10,9 +11,19 @@ from __future__ import annotations
 
 import torch
 
-from rollout_sdk.types import DpoObjective, GrpoObjective, GspoObjective, Objective, SftObjective, TrainBatch
+from rollout_sdk.types import (
+    DpoObjective,
+    GrpoObjective,
+    GspoObjective,
+    Objective,
+    PpoObjective,
+    SftObjective,
+    TrainBatch,
+)
 
-__all__ = ["ObjectiveOutput", "needs_reference", "objective_loss", "token_logprobs"]
+__all__ = ["ObjectiveOutput", "needs_reference", "needs_values", "objective_loss", "token_logprobs"]
+
+PolicyGradient = GrpoObjective | GspoObjective | PpoObjective
 
 
 class ObjectiveOutput:
@@ -29,7 +40,12 @@ def needs_reference(objective: Objective) -> bool:
     """Whether ``objective_loss`` needs the reference model's logprobs for ``objective``."""
     if isinstance(objective, DpoObjective):
         return True
-    return isinstance(objective, (GrpoObjective, GspoObjective)) and objective.kl_coef > 0.0
+    return isinstance(objective, PolicyGradient) and objective.kl_coef > 0.0
+
+
+def needs_values(objective: Objective) -> bool:
+    """Whether ``objective_loss`` needs the policy's value-head predictions (PPO)."""
+    return isinstance(objective, PpoObjective)
 
 
 def objective_loss(
@@ -37,6 +53,7 @@ def objective_loss(
     batch: TrainBatch,
     *,
     ref_logprobs: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
 ) -> ObjectiveOutput:
     """Loss for ``batch`` given the policy's per-token ``logprobs`` ``[B, T]`` (column 0 unused).
 
@@ -53,6 +70,14 @@ def objective_loss(
     if isinstance(objective, SftObjective):
         per_token = -logprobs
         metrics = {"nll": float((per_token.detach() * mask).sum() / tokens)}
+    elif isinstance(objective, PpoObjective):
+        if values is None:
+            raise ValueError("PpoObjective needs the value head's predictions")
+        per_token, metrics = _value_loss(values, mask, batch)
+        if objective.train_policy:
+            policy, policy_metrics = _policy_gradient(logprobs, ref_logprobs, mask, batch)
+            per_token = per_token + policy
+            metrics.update(policy_metrics)
     elif isinstance(objective, (GrpoObjective, GspoObjective)):
         per_token, metrics = _policy_gradient(logprobs, ref_logprobs, mask, batch)
     else:
@@ -67,7 +92,7 @@ def _policy_gradient(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GRPO's clipped token ratio or GSPO's clipped sequence ratio, with the KL penalty."""
     objective = batch.objective
-    assert isinstance(objective, (GrpoObjective, GspoObjective))
+    assert isinstance(objective, PolicyGradient)
     tokens = mask.sum().clamp_min(1.0)
     old = torch.as_tensor(batch.old_logprobs, dtype=logprobs.dtype, device=logprobs.device)
     advantages = torch.as_tensor(batch.advantages, dtype=logprobs.dtype, device=logprobs.device)
@@ -96,6 +121,34 @@ def _policy_gradient(
         kl = torch.exp(delta) - delta - 1.0
         per_token = per_token + objective.kl_coef * kl
         metrics["kl"] = float((kl.detach() * mask).sum() / tokens)
+    return per_token, metrics
+
+
+def _value_loss(
+    values: torch.Tensor, mask: torch.Tensor, batch: TrainBatch
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO's clipped value loss ``value_coef * 0.5 * max((V - R)^2, (V_clip - R)^2)`` per token."""
+    objective = batch.objective
+    assert isinstance(objective, PpoObjective)
+    if batch.returns is None or batch.old_values is None:
+        raise ValueError("a PPO micro-batch carries `returns` and `old_values`")
+    tokens = mask.sum().clamp_min(1.0)
+    returns = torch.as_tensor(batch.returns, dtype=values.dtype, device=values.device)
+    old = torch.as_tensor(batch.old_values, dtype=values.dtype, device=values.device)
+    error = (values - returns) ** 2
+    if objective.value_clip > 0.0:
+        clipped = old + (values - old).clamp(-objective.value_clip, objective.value_clip)
+        clipped_error = (clipped - returns) ** 2
+        was_clipped = (clipped_error > error).to(mask.dtype) * mask
+        metrics = {"value_clip_fraction": float(was_clipped.sum() / tokens)}
+        error = torch.maximum(error, clipped_error)
+    else:
+        metrics = {}
+    per_token = objective.value_coef * 0.5 * error
+    masked = mask.bool()
+    metrics["value_loss"] = float((0.5 * error.detach() * mask).sum() / tokens)
+    metrics["value_mean"] = float(values.detach()[masked].mean()) if masked.any() else 0.0
+    metrics["returns_mean"] = float(returns[masked].mean()) if masked.any() else 0.0
     return per_token, metrics
 
 

@@ -59,6 +59,15 @@ class Policy(Plugin):
         """
         raise NotImplementedError
 
+    def values(self, batch: TrainBatch) -> np.ndarray:
+        """The value head's predictions ``[batch, time]`` (no gradient): column ``t`` is the
+        value of the state before token ``t`` (column 0 unused), as for logprobs.
+
+        Only PPO calls it, before each update; ``train_step`` then trains the same head on
+        ``batch.returns``. Raise ``NotImplementedError`` (the default) if the policy has none.
+        """
+        raise NotImplementedError
+
     def apply_update(self, learning_rate: float) -> Mapping[str, float]:
         """Apply the accumulated gradients with ``learning_rate`` and clear them.
 

@@ -22,6 +22,7 @@ __all__ = [
     "GrpoObjective",
     "GspoObjective",
     "Objective",
+    "PpoObjective",
     "Sample",
     "SamplingParams",
     "SftObjective",
@@ -102,6 +103,23 @@ class GspoObjective:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class PpoObjective:
+    """PPO: GRPO's clipped token ratio on per-token (GAE) advantages, plus the policy's value
+    head regressed on ``TrainBatch.returns`` with its change clipped to ``value_clip`` around
+    ``TrainBatch.old_values``. With ``train_policy=False`` (critic warm-up) only the value head
+    learns. The KL to the reference (``kl_coef > 0``) is a k3 penalty in the loss.
+    """
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    kl_coef: float = 0.0
+    temperature: float = 1.0
+    value_clip: float = 0.2
+    value_coef: float = 0.5
+    train_policy: bool = True
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class DpoObjective:
     """DPO on pairs of rows: row ``2i`` is pair ``i``'s chosen sequence, ``2i + 1`` its rejected one.
 
@@ -116,11 +134,12 @@ class SftObjective:
     """Token-level cross-entropy on the masked tokens."""
 
 
-Objective = GrpoObjective | GspoObjective | DpoObjective | SftObjective
+Objective = GrpoObjective | GspoObjective | PpoObjective | DpoObjective | SftObjective
 
 OBJECTIVES: dict[str, type[Objective]] = {
     "grpo": GrpoObjective,
     "gspo": GspoObjective,
+    "ppo": PpoObjective,
     "dpo": DpoObjective,
     "sft": SftObjective,
 }
@@ -149,6 +168,10 @@ class TrainBatch:
     old_logprobs: np.ndarray
     loss_scale: float
     objective: Objective
+    # PPO (else None): value targets and the value head's predictions before the update,
+    # per token like ``advantages``.
+    returns: np.ndarray | None = None
+    old_values: np.ndarray | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

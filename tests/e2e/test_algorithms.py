@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.test_distributed import cluster, launch
 from tests.e2e.test_rollout_binary import ROLLOUT, artifacts  # noqa: F401  (a fixture)
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -28,6 +29,7 @@ def write_config(directory: Path, artifacts: Path, algorithm: str, steps: int) -
         "reinforce_pp": "kl_coef = 0.01",
         "dpo": "beta = 0.5",
         "gspo": "overlong_buffer = 1\noverlong_penalty = 0.1",
+        "ppo": "critic_warmup_steps = 2\nepochs = 2",
     }.get(algorithm, "")
     text = f"""
 [run]
@@ -84,13 +86,33 @@ def mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "dr_grpo", "rloo", "reinforce_pp", "gspo"])
+@pytest.mark.parametrize("algorithm", ["grpo", "dr_grpo", "rloo", "reinforce_pp", "gspo", "ppo"])
 def test_policy_gradient_algorithms_raise_the_reward(tmp_path: Path, artifacts: Path, algorithm: str) -> None:  # noqa: F811
     lines = run(write_config(tmp_path, artifacts, algorithm, steps=14))
     rewards = [line["reward_mean"] for line in lines]
     assert mean(rewards[-4:]) > mean(rewards[:4]) + 0.3, rewards
     if algorithm == "reinforce_pp":
         assert all(line["kl"] >= 0.0 for line in lines) and any(line["kl"] > 0.0 for line in lines)
+    if algorithm == "ppo":
+        warm_up, trained = lines[:2], lines[2:]
+        assert all(line["grad_norm"] == 0.0 and "clip_fraction" not in line for line in warm_up)
+        assert all(line["value_grad_norm"] > 0.0 for line in lines)
+        # The second epoch of each update moves the values past the clip somewhere.
+        assert any(line["value_clip_fraction"] > 0.0 for line in lines)
+        # The critic follows the returns as the reward rises.
+        assert all(abs(line["value_mean"] - line["returns_mean"]) < 0.15 for line in trained[-4:]), trained
+
+
+def test_ppo_resumes_exactly_with_its_value_head(tmp_path: Path, artifacts: Path) -> None:  # noqa: F811
+    config = write_config(tmp_path, artifacts, "ppo", steps=6)
+    uninterrupted = run(config)
+    run(config, "--overwrite", "--set", "run.steps=4")
+    checkpoint = tmp_path / "out" / "checkpoints" / "step-00000004" / "policy"
+    assert (checkpoint / "value_head" / "weights.safetensors").exists()
+    resumed = run(config, "--resume")
+    keys = ("reward_mean", "loss", "value_loss", "value_mean", "grad_norm")
+    signal = [[line[k] for k in keys] for line in uninterrupted]
+    assert [[line[k] for k in keys] for line in resumed] == signal
 
 
 def test_dpo_learns_to_prefer_the_right_answers(tmp_path: Path, artifacts: Path) -> None:  # noqa: F811
@@ -111,3 +133,42 @@ def test_sft_lowers_the_loss_and_resumes_exactly(tmp_path: Path, artifacts: Path
     resumed = run(config, "--resume")
     assert [line["step"] for line in resumed] == list(range(1, 9))
     assert [line["loss"] for line in resumed] == [line["loss"] for line in uninterrupted]
+
+
+def test_ppo_on_two_trainer_ranks_matches_one_process(tmp_path: Path, artifacts: Path) -> None:  # noqa: F811
+    local_dir, cluster_dir = tmp_path / "local", tmp_path / "cluster"
+    local_dir.mkdir()
+    cluster_dir.mkdir()
+    local = run(write_config(local_dir, artifacts, "ppo", steps=4))
+    config = write_config(cluster_dir, artifacts, "ppo", steps=4)
+    # Two trainer ranks, one of them dealt no micro-batch: it still builds the value head.
+    config.write_text(config.read_text() + cluster(1, 2, 0))
+    launch(config)
+    remote = [json.loads(line) for line in (cluster_dir / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in remote] == [1, 2, 3, 4]
+    for there, here in zip(remote, local, strict=True):
+        assert there["reward_mean"] == here["reward_mean"]
+        for key in ("value_loss", "value_mean", "grad_norm", "value_grad_norm"):
+            assert there[key] == pytest.approx(here[key], rel=1e-3, abs=1e-6), key
+
+
+def test_dynamic_sampling_refills_flat_groups(tmp_path: Path, artifacts: Path) -> None:  # noqa: F811
+    config = write_config(tmp_path, artifacts, "grpo", steps=4)
+    # Exact answers are rare for the untrained model: most groups score all zeros.
+    text = config.read_text().replace("algorithm_plugins:CharacterShare", "python_plugins.rewards:ExactMatch")
+    text = text.replace("[algorithm]\n", "[algorithm]\ndynamic_sampling_rounds = 2\n")
+    config.write_text(text.replace("[run]\n", "[run]\nlog_samples = 1000\n", 1))
+    uninterrupted = run(config)
+    assert sum(line["refilled_groups"] for line in uninterrupted) > 0, uninterrupted
+    assert all(0 <= line["refill_rounds"] <= 2 for line in uninterrupted)
+    logged = [json.loads(line) for line in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
+    for step in range(1, 5):
+        groups = {sample["group"] for sample in logged if sample["step"] == step}
+        # Every step trains prompts_per_step groups; refills are numbered after the first round.
+        assert len(groups) == 4, groups
+    assert any(sample["group"] >= 4 for sample in logged)
+    keys = ("reward_mean", "loss", "refilled_groups", "zero_std_group_fraction")
+    signal = [[line[k] for k in keys] for line in uninterrupted]
+    run(config, "--overwrite", "--set", "run.steps=2")
+    resumed = run(config, "--resume")
+    assert [[line[k] for k in keys] for line in resumed] == signal

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Literal
 
@@ -17,6 +18,7 @@ from rollout_sdk import (
     GspoObjective,
     Pipeline,
     PluginSpecError,
+    PpoObjective,
     Reward,
     SftObjective,
     TrainBatch,
@@ -277,7 +279,7 @@ def test_sft_is_the_masked_negative_log_likelihood():
 
 def test_unknown_objective_is_rejected():
     batch = train_batch(SftObjective(), logprob_mask=[0, 1])
-    batch = dataclasses.replace(batch, objective="ppo")
+    batch = dataclasses.replace(batch, objective="a2c")
     with pytest.raises(TypeError, match="unknown objective"):
         objective_loss(torch.zeros(1, 2), batch)
 
@@ -336,14 +338,55 @@ def test_dpo_is_the_logistic_loss_of_the_pairs_margin():
         )
 
 
+def ppo_batch(objective: PpoObjective, returns: list[float], old_values: list[float]) -> TrainBatch:
+    batch = train_batch(objective, logprob_mask=[0, 1, 1], advantages=[0, 1, -1])
+    as_row = functools.partial(np.asarray, dtype=np.float32)
+    return dataclasses.replace(batch, returns=as_row([returns]), old_values=as_row([old_values]))
+
+
+def test_ppo_clips_the_value_change_around_the_old_values():
+    # Old values 0; returns 1 and -1. Value 0.5 moved 0.5 past the clip 0.2: the clipped 0.2
+    # is further from the return, so its error counts (and the gradient stops); -0.1 is
+    # inside the clip and counts as is.
+    objective = PpoObjective(value_clip=0.2, value_coef=0.5)
+    batch = ppo_batch(objective, returns=[0, 1, -1], old_values=[0, 0, 0])
+    values = torch.tensor([[0.0, 0.5, -0.1]], requires_grad=True)
+    logprobs = torch.zeros(1, 3)
+    out = objective_loss(logprobs, batch, values=values)
+    errors = [max((0.5 - 1) ** 2, (0.2 - 1) ** 2), (-0.1 + 1) ** 2]
+    assert out.metrics["value_loss"] == pytest.approx(0.5 * sum(errors) / 2)
+    assert out.metrics["value_clip_fraction"] == 0.5
+    # The policy term: ratio 1, advantages +1 and -1 cancel.
+    assert out.loss.item() == pytest.approx(0.5 * 0.5 * sum(errors), abs=1e-6)
+    out.loss.backward()
+    assert values.grad[0, 1].item() == 0.0
+    assert values.grad[0, 2].item() == pytest.approx(0.5 * (-0.1 + 1), abs=1e-6)
+
+
+def test_ppo_critic_warm_up_trains_only_the_values():
+    objective = PpoObjective(train_policy=False)
+    batch = ppo_batch(objective, returns=[0, 1, 1], old_values=[0, 0, 0])
+    logprobs = torch.zeros(1, 3, requires_grad=True)
+    values = torch.zeros(1, 3, requires_grad=True)
+    out = objective_loss(logprobs, batch, values=values)
+    out.loss.backward()
+    assert logprobs.grad is None and values.grad.abs().sum() > 0
+    assert "clip_fraction" not in out.metrics
+    with pytest.raises(ValueError, match="value head"):
+        objective_loss(logprobs, batch)
+
+
 def test_objectives_are_built_from_their_wire_form():
     assert objective_from_fields("grpo", clip_low=0.1, clip_high=0.2, kl_coef=0.0, temperature=1.0) == (
         GrpoObjective(clip_low=0.1, clip_high=0.2)
     )
     assert objective_from_fields("dpo", beta=0.3) == DpoObjective(beta=0.3)
     assert objective_from_fields("sft") == SftObjective()
-    with pytest.raises(ValueError, match="unknown objective `ppo`"):
-        objective_from_fields("ppo")
+    assert objective_from_fields("ppo", value_clip=0.5, train_policy=False) == PpoObjective(
+        value_clip=0.5, train_policy=False
+    )
+    with pytest.raises(ValueError, match="unknown objective `a2c`"):
+        objective_from_fields("a2c")
     with pytest.raises(TypeError):
         objective_from_fields("gspo", beta=1.0)
 

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use rollout_net::messages::{
     GenerateRequest, GenerateResponse, ScoreRequest, ScoreResponse, TrainRequest, TrainResponse,
-    WeightsReport,
+    ValuesRequest, ValuesResponse, WeightsReport,
 };
 use rollout_net::tensor::TensorMeta;
 
@@ -234,6 +234,17 @@ impl Learner for PolicyHost {
                 metrics,
                 weight_version,
             })
+        })
+    }
+
+    fn values(&self, request: ValuesRequest) -> RoleFuture<'_, ValuesResponse> {
+        let policy = self.policy.clone();
+        boxed(async move {
+            let values = self
+                .worker
+                .run(move |py| policy.values(py, &request))
+                .await??;
+            Ok(ValuesResponse { values })
         })
     }
 

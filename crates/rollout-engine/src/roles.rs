@@ -13,7 +13,7 @@ use std::pin::Pin;
 
 use rollout_net::messages::{
     GenerateRequest, GenerateResponse, ScoreRequest, ScoreResponse, TrainRequest, TrainResponse,
-    WeightsReport,
+    ValuesRequest, ValuesResponse, WeightsReport,
 };
 
 pub type RoleFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, RoleError>> + Send + 'a>>;
@@ -68,8 +68,10 @@ pub trait Scorer: Send + Sync {
 }
 
 pub trait Learner: Send + Sync {
-    /// Applies one optimizer update and returns the new weight version.
+    /// Applies `request.epochs` optimizer updates and returns the new weight version.
     fn train(&self, request: TrainRequest) -> RoleFuture<'_, TrainResponse>;
+    /// The value head's predictions for every token of the micro-batches (PPO).
+    fn values(&self, request: ValuesRequest) -> RoleFuture<'_, ValuesResponse>;
     /// Writes the weights and optimizer state into `directory`.
     fn save(&self, directory: PathBuf) -> RoleFuture<'_, ()>;
     /// Copies what `save` would write and returns once the copy is taken, so training can

@@ -154,6 +154,36 @@ fn impossible_values_are_located() {
 }
 
 #[test]
+fn impossible_algorithm_settings_are_located() {
+    let cases = [
+        (
+            "name = \"ppo\"\nlam = 1.5",
+            "`algorithm.lam`: must be in [0, 1]",
+        ),
+        ("epochs = 0", "`algorithm.epochs`: must be >= 1"),
+        (
+            "name = \"sft\"\nepochs = 2",
+            "`algorithm.epochs`: applies to the policy-gradient",
+        ),
+        (
+            "name = \"dpo\"\ndynamic_sampling_rounds = 1",
+            "`algorithm.dynamic_sampling_rounds`: refills single-turn groups",
+        ),
+    ];
+    for (keys, expected) in cases {
+        let tmp = tempfile::tempdir().unwrap();
+        let config = toy_config(tmp.path(), DIGIT_REWARD, &format!("[algorithm]\n{keys}\n"));
+        let out = rollout(&["check", config.to_str().unwrap()], tmp.path());
+        assert_eq!(out.status.code(), Some(2), "{keys}");
+        let err = stderr(&out);
+        assert!(
+            err.contains(expected) && err.contains("toy.toml:"),
+            "{keys}: {err}"
+        );
+    }
+}
+
+#[test]
 fn powersgd_without_its_warm_up_is_located() {
     let tmp = tempfile::tempdir().unwrap();
     let cluster = "[cluster]\ngradient_compression = \"powersgd\"\npowersgd_warmup_updates = 1\n";

@@ -209,6 +209,18 @@ pub enum Objective {
         kl_coef: f32,
         temperature: f32,
     },
+    /// PPO: the clipped token ratio on the batch's per-token (GAE) advantages plus the
+    /// clipped value loss of the policy's value head against `returns`, relative to
+    /// `old_values`. With `train_policy` false (critic warm-up) only the value head learns.
+    Ppo {
+        clip_low: f32,
+        clip_high: f32,
+        kl_coef: f32,
+        temperature: f32,
+        value_clip: f32,
+        value_coef: f32,
+        train_policy: bool,
+    },
     /// DPO over pairs of rows: row `2i` is pair `i`'s chosen sequence, row `2i + 1` its
     /// rejected one; `loss_scale` is `1 / pairs in the update`.
     Dpo {
@@ -245,6 +257,12 @@ pub struct MicroBatch {
     /// Multiplies the summed token loss: `1 / masked tokens in the whole update`.
     pub loss_scale: f32,
     pub objective: Objective,
+    /// PPO only (else empty): the value targets and the value head's predictions before the
+    /// update, per token like `advantages`.
+    #[serde(default)]
+    pub returns: Vec<f32>,
+    #[serde(default)]
+    pub old_values: Vec<f32>,
 }
 
 impl MicroBatch {
@@ -265,6 +283,28 @@ impl MicroBatch {
 pub struct TrainRequest {
     pub micro_batches: Vec<MicroBatch>,
     pub learning_rate: f64,
+    /// Passes over `micro_batches`, each ending in an optimizer update (PPO epochs); the
+    /// weight version advances once for the whole request.
+    #[serde(default = "one_epoch")]
+    pub epochs: u32,
+}
+
+fn one_epoch() -> u32 {
+    1
+}
+
+/// The value head's prediction for every token of `micro_batches` (no update): trainer
+/// ranks answer for the micro-batches they are sent.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ValuesRequest {
+    pub micro_batches: Vec<MicroBatch>,
+}
+
+/// `values[i]` is micro-batch `i`'s `[rows, width]` row-major predictions; position `t` is
+/// the value of the state before token `t`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ValuesResponse {
+    pub values: Vec<Vec<f32>>,
 }
 
 /// Token-weighted means of the micro-batch metrics plus the update's own (grad norm, lr).
@@ -466,10 +506,12 @@ pub enum MessageKind {
     PullWeights = 19,
     WeightsBucket = 20,
     Shutdown = 21,
+    ValuesRequest = 22,
+    ValuesResponse = 23,
 }
 
 impl MessageKind {
-    pub const ALL: [MessageKind; 21] = [
+    pub const ALL: [MessageKind; 23] = [
         MessageKind::Hello,
         MessageKind::Heartbeat,
         MessageKind::Error,
@@ -491,6 +533,8 @@ impl MessageKind {
         MessageKind::PullWeights,
         MessageKind::WeightsBucket,
         MessageKind::Shutdown,
+        MessageKind::ValuesRequest,
+        MessageKind::ValuesResponse,
     ];
 
     /// The kind numbered `n`, if there is one.
@@ -525,6 +569,8 @@ impl MessageKind {
             MessageKind::PullWeights => "PullWeights",
             MessageKind::WeightsBucket => "WeightsBucket",
             MessageKind::Shutdown => "Shutdown",
+            MessageKind::ValuesRequest => "ValuesRequest",
+            MessageKind::ValuesResponse => "ValuesResponse",
         }
     }
 }
@@ -570,4 +616,6 @@ impl_message! {
     PullWeights => PullWeights,
     WeightsBucket => WeightsBucket,
     Shutdown => Shutdown,
+    ValuesRequest => ValuesRequest,
+    ValuesResponse => ValuesResponse,
 }

@@ -172,8 +172,11 @@ fn samples() -> Vec<Frame> {
                         temperature: 1.0,
                         kl_penalty: KlPenalty::Loss,
                     },
+                    returns: vec![],
+                    old_values: vec![],
                 }],
                 learning_rate: 1e-6,
+                epochs: 1,
             },
             Bytes::new(),
         ),
@@ -459,6 +462,26 @@ fn objective() -> impl Strategy<Value = Objective> {
                 temperature,
             }
         ),
+        (
+            (finite_f32(), finite_f32(), finite_f32(), finite_f32()),
+            (finite_f32(), finite_f32(), any::<bool>())
+        )
+            .prop_map(
+                |(
+                    (clip_low, clip_high, kl_coef, temperature),
+                    (value_clip, value_coef, train_policy),
+                )| {
+                    Objective::Ppo {
+                        clip_low,
+                        clip_high,
+                        kl_coef,
+                        temperature,
+                        value_clip,
+                        value_coef,
+                        train_policy,
+                    }
+                }
+            ),
     ]
 }
 
@@ -473,10 +496,12 @@ prop_compose! {
         old_logprobs in vec(finite_f32(), 0..16),
         loss_scale in finite_f32(),
         objective in objective(),
+        returns in vec(finite_f32(), 0..16),
+        old_values in vec(finite_f32(), 0..16),
     ) -> MicroBatch {
         MicroBatch {
             rows, width, input_ids, attention_mask, loss_mask, advantages, old_logprobs,
-            loss_scale, objective,
+            loss_scale, objective, returns, old_values,
         }
     }
 }
@@ -543,9 +568,20 @@ proptest! {
     fn train_request_round_trips(
         micro_batches in vec(micro_batch(), 0..3),
         learning_rate in finite_f64(),
+        epochs in any::<u32>(),
         s in any::<Index>(),
     ) {
-        round_trip(&TrainRequest { micro_batches, learning_rate }, vec![], s.index(2048));
+        round_trip(&TrainRequest { micro_batches, learning_rate, epochs }, vec![], s.index(2048));
+    }
+
+    #[test]
+    fn values_round_trip(
+        micro_batches in vec(micro_batch(), 0..3),
+        values in vec(vec(finite_f32(), 0..16), 0..3),
+        s in any::<Index>(),
+    ) {
+        round_trip(&ValuesRequest { micro_batches }, vec![], s.index(2048));
+        round_trip(&ValuesResponse { values }, vec![], s.index(2048));
     }
 
     #[test]

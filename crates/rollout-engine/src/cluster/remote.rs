@@ -9,7 +9,7 @@ use bytes::Bytes;
 use rollout_net::NetError;
 use rollout_net::messages::{
     CheckpointRequest, Done, Message, PublishWeights, Shutdown, TrainRequest, TrainResponse,
-    WeightsReport,
+    ValuesRequest, ValuesResponse, WeightsReport,
 };
 use rollout_net::rpc::{Call, RpcClient};
 
@@ -123,6 +123,7 @@ impl Learner for RemoteTrainers {
             .map(|_| TrainRequest {
                 micro_batches: Vec::new(),
                 learning_rate: request.learning_rate,
+                epochs: request.epochs,
             })
             .collect();
         for (index, batch) in request.micro_batches.into_iter().enumerate() {
@@ -149,6 +150,45 @@ impl Learner for RemoteTrainers {
                 metrics: merge_rank_metrics(&answers, &tokens),
                 weight_version,
             })
+        })
+    }
+
+    /// Micro-batches are dealt to the ranks as `train` deals them; a rank dealt none gets a
+    /// copy of the first (its answer dropped), so every rank builds its value head before
+    /// the update all-reduces its gradients.
+    fn values(&self, request: ValuesRequest) -> RoleFuture<'_, ValuesResponse> {
+        let world = self.ranks.len().max(1);
+        let count = request.micro_batches.len();
+        let mut shards: Vec<ValuesRequest> = (0..world)
+            .map(|rank| ValuesRequest {
+                micro_batches: request
+                    .micro_batches
+                    .iter()
+                    .skip(rank)
+                    .step_by(world)
+                    .cloned()
+                    .collect(),
+            })
+            .collect();
+        if let Some(first) = request.micro_batches.first() {
+            for shard in shards.iter_mut().filter(|s| s.micro_batches.is_empty()) {
+                shard.micro_batches.push(first.clone());
+            }
+        }
+        let answers = self.on_every_rank::<_, ValuesResponse>(shards);
+        Box::pin(async move {
+            let mut per_rank: Vec<_> = answers
+                .await?
+                .into_iter()
+                .map(|answer| answer.values.into_iter())
+                .collect();
+            let values = (0..count)
+                .map(|index| per_rank.get_mut(index % world).and_then(Iterator::next))
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| {
+                    RoleError::Protocol("a trainer rank left out micro-batches' values".into())
+                })?;
+            Ok(ValuesResponse { values })
         })
     }
 

@@ -11,7 +11,7 @@ use bytes::Bytes;
 use rollout_net::link::{Link, LinkLimits};
 use rollout_net::messages::{
     CheckpointRequest, Done, Hello, Message, MessageKind, PublishWeights, TrainRequest,
-    WeightsReport, Welcome,
+    ValuesRequest, WeightsReport, Welcome,
 };
 use rollout_net::rpc::{Incoming, Responder, RpcServer};
 use rollout_net::{ClusterKey, NetError};
@@ -248,6 +248,12 @@ pub async fn run_trainer(args: RoleArgs) -> Result<(), ClusterError> {
                     .decode()
                     .map_err(|err| bad_request(&incoming, err))?;
                 answer(responder, call, host.train(request).await);
+            }
+            MessageKind::ValuesRequest => {
+                let request: ValuesRequest = incoming
+                    .decode()
+                    .map_err(|err| bad_request(&incoming, err))?;
+                answer(responder, call, host.values(request).await);
             }
             MessageKind::CheckpointRequest => {
                 let request: CheckpointRequest = incoming

@@ -263,6 +263,8 @@ pub enum Algorithm {
     Rloo,
     ReinforcePp,
     Gspo,
+    /// PPO with a critic: a value head on the policy, GAE advantages per token.
+    Ppo,
     /// Preference pairs from the data, no generation.
     Dpo,
     /// Supervised updates on the data's completions, no generation.
@@ -329,6 +331,20 @@ pub struct AlgorithmConfig {
     /// loses up to `overlong_penalty`, linearly over the buffer (0: off).
     pub overlong_buffer: u32,
     pub overlong_penalty: f64,
+    /// Optimizer updates over each step's samples (PPO epochs): from the second on the
+    /// importance ratio (and PPO's value) clipping bites.
+    pub epochs: u32,
+    /// PPO: the discount and GAE's lambda over a completion's tokens.
+    pub gamma: f32,
+    pub lam: f32,
+    /// PPO: the value prediction moves at most this far from the one before the update.
+    pub value_clip: f32,
+    /// PPO: weight of the value loss.
+    pub value_coef: f32,
+    /// PPO: the first this many steps train only the value head.
+    pub critic_warmup_steps: u64,
+    /// PPO: advantages are shifted and scaled to mean 0, standard deviation 1 over the step.
+    pub whiten_advantages: bool,
 }
 
 impl Default for AlgorithmConfig {
@@ -347,6 +363,13 @@ impl Default for AlgorithmConfig {
             dynamic_sampling_rounds: 0,
             overlong_buffer: 0,
             overlong_penalty: 1.0,
+            epochs: 1,
+            gamma: 1.0,
+            lam: 0.95,
+            value_clip: 0.2,
+            value_coef: 0.5,
+            critic_warmup_steps: 0,
+            whiten_advantages: true,
         }
     }
 }

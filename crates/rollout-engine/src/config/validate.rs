@@ -230,7 +230,38 @@ fn validate_algorithm(loaded: &LoadedConfig) -> Result<(), ConfigError> {
         "algorithm.overlong_penalty",
         "must be a finite number >= 0",
     )?;
+    check(algorithm.epochs >= 1, "algorithm.epochs", "must be >= 1")?;
+    let unit = |x: f32| x.is_finite() && (0.0..=1.0).contains(&x);
+    check(
+        unit(algorithm.gamma),
+        "algorithm.gamma",
+        "must be in [0, 1]",
+    )?;
+    check(unit(algorithm.lam), "algorithm.lam", "must be in [0, 1]")?;
+    check(
+        algorithm.value_clip.is_finite() && algorithm.value_clip >= 0.0,
+        "algorithm.value_clip",
+        "must be a finite number >= 0 (0: no clipping)",
+    )?;
+    check(
+        algorithm.value_coef.is_finite() && algorithm.value_coef > 0.0,
+        "algorithm.value_coef",
+        "must be a finite number > 0",
+    )?;
+    if algorithm.dynamic_sampling_rounds > 0 {
+        check(
+            algorithm.name.samples() && config.environment.is_none(),
+            "algorithm.dynamic_sampling_rounds",
+            "refills single-turn groups of a policy-gradient algorithm: not DPO, SFT or an \
+             [environment]",
+        )?;
+    }
     if !algorithm.name.samples() {
+        check(
+            algorithm.epochs == 1,
+            "algorithm.epochs",
+            "applies to the policy-gradient algorithms; DPO and SFT make one update per step",
+        )?;
         check(
             config.environment.is_none(),
             "algorithm.name",

@@ -6,6 +6,7 @@ mod callbacks;
 mod data;
 mod environment;
 mod policy;
+mod policy_training;
 mod policy_weights;
 mod reward;
 mod sandboxed;

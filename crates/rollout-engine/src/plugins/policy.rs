@@ -7,14 +7,12 @@ use std::sync::Arc;
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
-use rollout_net::messages::{
-    Completion, FinishReason, GenerateRequest, GenerateResponse, MicroBatch, TrainRequest,
-};
+use rollout_net::messages::{Completion, FinishReason, GenerateRequest, GenerateResponse};
 
 use super::{PluginError, PluginLoadError, PluginRef, Sdk};
 use crate::config::{KeyPath, LoadedConfig};
 use crate::engine::{StepOutcome, StepPlan};
-use crate::python::convert::{json_to_py, py_to_json};
+use crate::python::convert::py_to_json;
 use crate::train::SnapshotFiles;
 
 /// The cache geometry a policy reports (`rollout_sdk.KvLayout`).
@@ -37,7 +35,7 @@ impl KvLayout {
 
 pub struct PolicyPlugin {
     pub(super) plugin: PluginRef,
-    sdk: Arc<Sdk>,
+    pub(super) sdk: Arc<Sdk>,
     /// The `rollout_sdk.distributed.GradientReducer` of the data-parallel group this
     /// trainer rank joined, if any.
     pub(super) data_parallel: std::sync::OnceLock<Py<PyAny>>,
@@ -306,121 +304,6 @@ impl PolicyPlugin {
         })
     }
 
-    /// One optimizer update: `train_step` on every micro-batch, then `apply_update`.
-    /// Returns micro-batch metrics averaged by loss tokens (names ending in `_seconds` are
-    /// summed) plus the update's metrics.
-    pub fn train(
-        &self,
-        py: Python<'_>,
-        request: &TrainRequest,
-    ) -> Result<BTreeMap<String, f64>, PluginError> {
-        let mut sums: BTreeMap<String, f64> = BTreeMap::new();
-        let mut total_tokens = 0.0;
-        for micro_batch in &request.micro_batches {
-            let metrics = self.train_step(py, micro_batch)?;
-            let tokens = micro_batch.loss_tokens() as f64;
-            total_tokens += tokens;
-            for (name, value) in metrics {
-                // Times add up over micro-batches; everything else is a token-weighted mean.
-                let weight = if name.ends_with("_seconds") {
-                    1.0
-                } else {
-                    tokens
-                };
-                *sums.entry(name).or_default() += value * weight;
-            }
-        }
-        if request.micro_batches.is_empty() {
-            // Every sequence had a zero advantage: the loss, and its gradient, are exactly 0.
-            sums.insert("loss".into(), 0.0);
-        }
-        let mut metrics: BTreeMap<String, f64> = sums
-            .into_iter()
-            .map(|(name, sum)| {
-                let value = if name.ends_with("_seconds") {
-                    sum
-                } else if total_tokens > 0.0 {
-                    sum / total_tokens
-                } else {
-                    0.0
-                };
-                (name, value)
-            })
-            .collect();
-        if let Some(reducer) = self.data_parallel.get() {
-            metrics.extend(self.all_reduce_gradients(py, reducer)?);
-        }
-        let hook = "apply_update";
-        let update = self.plugin.call(py, hook, (request.learning_rate,))?;
-        metrics.extend(self.float_metrics(hook, &update)?);
-        Ok(metrics)
-    }
-
-    fn train_step(
-        &self,
-        py: Python<'_>,
-        batch: &MicroBatch,
-    ) -> Result<BTreeMap<String, f64>, PluginError> {
-        let hook = "train_step";
-        let train_batch = self
-            .train_batch(py, batch)
-            .map_err(|err| self.plugin.raised(py, hook, &err))?;
-        let result = self.plugin.call(py, hook, (train_batch,))?;
-        let metrics = self.float_metrics(hook, &result)?;
-        match metrics.get("loss") {
-            Some(loss) if loss.is_finite() => Ok(metrics),
-            Some(loss) => Err(self.plugin.bad_return(
-                hook,
-                format!("the loss is {loss}; refusing to apply a non-finite update"),
-            )),
-            None => Err(self
-                .plugin
-                .bad_return(hook, "the returned metrics have no `loss`")),
-        }
-    }
-
-    fn train_batch<'py>(&self, py: Python<'py>, batch: &MicroBatch) -> PyResult<Bound<'py, PyAny>> {
-        let fields = serde_json::to_value(&batch.objective)
-            .map_err(|err| pyo3::exceptions::PyValueError::new_err(err.to_string()))?;
-        let fields = json_to_py(py, &fields)?.cast_into::<PyDict>()?;
-        let objective = self.sdk.objective.bind(py).call((), Some(&fields))?;
-        let (rows, width) = (batch.rows, batch.width);
-        let fields = PyDict::new(py);
-        fields.set_item(
-            "input_ids",
-            matrix(
-                py,
-                batch.input_ids.iter().map(|&t| i64::from(t)).collect(),
-                rows,
-                width,
-            )?,
-        )?;
-        fields.set_item(
-            "attention_mask",
-            matrix(
-                py,
-                batch.attention_mask.iter().map(|&m| i64::from(m)).collect(),
-                rows,
-                width,
-            )?,
-        )?;
-        fields.set_item(
-            "loss_mask",
-            matrix(py, batch.loss_mask.clone(), rows, width)?,
-        )?;
-        fields.set_item(
-            "advantages",
-            matrix(py, batch.advantages.clone(), rows, width)?,
-        )?;
-        fields.set_item(
-            "old_logprobs",
-            matrix(py, batch.old_logprobs.clone(), rows, width)?,
-        )?;
-        fields.set_item("loss_scale", batch.loss_scale)?;
-        fields.set_item("objective", objective)?;
-        self.sdk.train_batch.bind(py).call((), Some(&fields))
-    }
-
     pub(super) fn float_metrics(
         &self,
         hook: &'static str,
@@ -605,7 +488,7 @@ fn longest_budget(request: &GenerateRequest) -> u32 {
         .unwrap_or(request.sampling.max_new_tokens)
 }
 
-fn matrix<'py, T: numpy::Element>(
+pub(super) fn matrix<'py, T: numpy::Element>(
     py: Python<'py>,
     values: Vec<T>,
     rows: usize,

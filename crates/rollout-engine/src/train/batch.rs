@@ -122,6 +122,8 @@ fn filled_batch(
         old_logprobs: vec![0.0; size],
         loss_scale,
         objective: objective.clone(),
+        returns: Vec::new(),
+        old_values: Vec::new(),
     };
     for (row, sequence) in rows.iter().enumerate() {
         let start = row * width;

@@ -13,6 +13,8 @@ mod cursor;
 mod metrics;
 mod offline;
 mod pipeline;
+mod ppo;
+mod refill;
 mod sampler;
 mod sft;
 mod snapshot;
@@ -27,7 +29,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-use rollout_net::messages::{KlPenalty, Objective, TrainRequest};
+use rollout_net::messages::{KlPenalty, Objective, TrainRequest, ValuesRequest};
 use serde_json::{Value, json};
 
 use crate::config::{Algorithm, Config};
@@ -105,8 +107,8 @@ pub struct Summary {
     pub wall_seconds: f64,
 }
 
-/// The objective of an RL step's update under `[algorithm]`.
-fn rl_objective(config: &Config) -> Objective {
+/// The objective of RL step `step`'s update under `[algorithm]`.
+fn rl_objective(config: &Config, step: u64) -> Objective {
     let algorithm = &config.algorithm;
     let (clip_low, clip_high) = algorithm.clip();
     let temperature = if config.rollout.temperature > 0.0 {
@@ -116,6 +118,15 @@ fn rl_objective(config: &Config) -> Objective {
     };
     let kl_coef = algorithm.kl_coef;
     match algorithm.name {
+        Algorithm::Ppo => Objective::Ppo {
+            clip_low,
+            clip_high,
+            kl_coef,
+            temperature,
+            value_clip: algorithm.value_clip,
+            value_coef: algorithm.value_coef,
+            train_policy: step > algorithm.critic_warmup_steps,
+        },
         Algorithm::Gspo => Objective::Gspo {
             clip_low,
             clip_high,
@@ -319,13 +330,14 @@ impl<'a> Controller<'a> {
             while next_step <= self.config.run.steps
                 && next_step <= self.state.step + 1 + self.max_staleness()
             {
-                let records = cursor.take(self.config.rollout.prompts_per_step);
+                let records = cursor.take(self.prompts_drawn_per_step());
                 let position = cursor.position();
                 positions.insert(next_step, position);
                 let seed = mix(self.config.run.seed, 1000 + next_step);
                 let (sampler, step) = (&sampler, next_step);
                 pipeline.start(async move {
                     let collected = sampler.collect(step, &records, seed).await;
+                    let records = collected.as_ref().map_or(records, |c| c.records.clone());
                     StepSamples {
                         step,
                         epoch: position.epoch,
@@ -374,6 +386,14 @@ impl<'a> Controller<'a> {
             }
         }
         Ok(pipeline.finish_loading().await?)
+    }
+
+    /// Records drawn for each step: its prompts and, with dynamic sampling, a reserve of
+    /// `prompts_per_step` per refill round, drawn whether used or not so that the data
+    /// order never depends on rewards (a resumed run draws exactly the same).
+    fn prompts_drawn_per_step(&self) -> usize {
+        let rounds = self.config.algorithm.dynamic_sampling_rounds as usize;
+        self.config.rollout.prompts_per_step * (1 + rounds)
     }
 
     /// Versions a trained sample may lag: 0 unless generators hold their own weights.
@@ -593,7 +613,7 @@ impl<'a> Controller<'a> {
         let started = Instant::now();
         let request = self
             .sampler
-            .generate_request(0, &records, mix(self.config.run.seed, 998));
+            .generate_request(0, &records, 0, mix(self.config.run.seed, 998));
         let response = self.roles.generator.generate(request).await?;
         let seconds = started.elapsed().as_secs_f64();
         let flat: Vec<Vec<u32>> = response
@@ -649,9 +669,12 @@ impl<'a> Controller<'a> {
         let training = Instant::now();
         // A sample whose reward failed is not trained on at all (no loss, no KL term, not
         // in the token count the loss is normalised by).
+        // PPO's sequences carry their reward, which GAE turns into token advantages.
+        let ppo = algorithm.name == Algorithm::Ppo;
+        let per_sequence = if ppo { &collected.rewards } else { advantages };
         let sequences: Vec<TrainSequence> = trajectories
             .iter()
-            .zip(advantages)
+            .zip(per_sequence)
             .zip(&collected.failures)
             .filter(|(_, failure)| failure.is_none())
             .map(|((trajectory, &advantage), _)| TrainSequence {
@@ -661,19 +684,31 @@ impl<'a> Controller<'a> {
                 advantage: advantage as f32,
             })
             .collect();
-        let objective = rl_objective(self.config);
-        let skip_zero = algorithm.kl_coef == 0.0;
-        let (batches, packing) = micro_batches(
+        let objective = rl_objective(self.config, step);
+        // A zero advantage is no gradient, unless a KL term or PPO's value loss remains.
+        let skip_zero = algorithm.kl_coef == 0.0 && !ppo;
+        let (mut batches, packing) = micro_batches(
             &sequences,
             &objective,
             self.config.train.micro_batch_tokens,
             skip_zero,
         );
+        if ppo {
+            let request = ValuesRequest {
+                micro_batches: batches.clone(),
+            };
+            let values = pipeline
+                .while_running(self.roles.learner.values(request))
+                .await??;
+            ppo::attach_targets(&mut batches, values.values, algorithm)
+                .map_err(|err| RoleError::Protocol(format!("the value head: {err}")))?;
+        }
         let learning_rate = self.learning_rate(self.state.weight_version);
         let response = pipeline
             .while_running(self.roles.learner.train(TrainRequest {
                 micro_batches: batches,
                 learning_rate,
+                epochs: algorithm.epochs,
             }))
             .await??;
         self.state.weight_version = response.weight_version;

@@ -71,6 +71,7 @@ impl Controller<'_> {
                 .train(TrainRequest {
                     micro_batches: batches,
                     learning_rate,
+                    epochs: 1,
                 })
                 .await?;
             self.state.step += 1;

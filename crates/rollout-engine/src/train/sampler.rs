@@ -27,6 +27,9 @@ pub(super) type GeneratorMetrics = std::collections::BTreeMap<String, f64>;
 
 /// A step's samples with their rewards and advantages.
 pub(super) struct Collected {
+    /// The record of each group sampled, in group order (with dynamic sampling, the
+    /// groups kept).
+    pub records: Vec<usize>,
     pub trajectories: Vec<Trajectory>,
     pub completions: Vec<String>,
     pub rewards: Vec<f64>,
@@ -35,6 +38,9 @@ pub(super) struct Collected {
     /// Per sample: why its reward could not be computed (then its advantage is 0).
     pub failures: Vec<Option<rollout_net::messages::ScoreFailure>>,
     pub zero_std_groups: usize,
+    /// Dynamic sampling: groups without reward spread replaced, and the rounds it took.
+    pub refilled_groups: usize,
+    pub refill_rounds: u32,
     pub generate_seconds: f64,
     pub score_seconds: f64,
     /// The generator's own measurements, merged over the step's generation requests.
@@ -116,17 +122,40 @@ impl<'a> Sampler<'a> {
         }
     }
 
-    /// Generates, scores and computes advantages for `records` (one group each) of `step`.
+    /// Generates, scores and computes advantages for the step's groups, one per record of
+    /// `records`: the first `prompts_per_step`, the rest held in reserve for dynamic
+    /// sampling.
     pub(super) async fn collect(
         &self,
         step: u64,
         records: &[usize],
         seed: u64,
     ) -> Result<Collected, RunError> {
+        let wanted = self.config.rollout.prompts_per_step.min(records.len());
+        let (first, reserve) = records.split_at(wanted);
+        let mut collected = self.collect_groups(step, first, 0, seed).await?;
+        if self.config.algorithm.dynamic_sampling_rounds > 0 {
+            self.refill(&mut collected, step, reserve, seed).await?;
+        }
+        self.compute_advantages(&mut collected);
+        Ok(collected)
+    }
+
+    /// Generates and scores groups `first_group..` of `step`, one per record.
+    pub(super) async fn collect_groups(
+        &self,
+        step: u64,
+        records: &[usize],
+        first_group: usize,
+        seed: u64,
+    ) -> Result<Collected, RunError> {
         let started = Instant::now();
         let (trajectories, generator_metrics) = match self.roles.environments {
             Some(environments) => self.run_episodes(environments, step, records, seed).await?,
-            None => self.sample_completions(step, records, seed).await?,
+            None => {
+                self.sample_completions(step, records, first_group, seed)
+                    .await?
+            }
         };
         let generate_seconds = started.elapsed().as_secs_f64();
 
@@ -148,30 +177,44 @@ impl<'a> Sampler<'a> {
             })
             .collect();
         let score_seconds = scoring.elapsed().as_secs_f64();
-
-        let algorithm = &self.config.algorithm;
-        let groups: Vec<usize> = trajectories.iter().map(|t| t.group).collect();
-        let scored: Vec<bool> = failures.iter().map(Option::is_none).collect();
-        let (advantages, zero_std_groups) = scored_group_advantages(
-            &groups,
-            &rewards,
-            &scored,
-            records.len(),
-            algorithm.estimator(),
-            algorithm.std_eps,
-        );
         Ok(Collected {
+            records: records.to_vec(),
             trajectories,
             completions,
             rewards,
             components,
-            advantages,
+            advantages: Vec::new(),
             failures,
-            zero_std_groups,
+            zero_std_groups: 0,
+            refilled_groups: 0,
+            refill_rounds: 0,
             generate_seconds,
             score_seconds,
             generator_metrics,
         })
+    }
+
+    /// The advantages of the collected samples, groups numbered in order of appearance.
+    fn compute_advantages(&self, collected: &mut Collected) {
+        let algorithm = &self.config.algorithm;
+        let mut dense = std::collections::BTreeMap::new();
+        let groups: Vec<usize> = collected
+            .trajectories
+            .iter()
+            .map(|t| {
+                let next = dense.len();
+                *dense.entry(t.group).or_insert(next)
+            })
+            .collect();
+        let scored: Vec<bool> = collected.failures.iter().map(Option::is_none).collect();
+        (collected.advantages, collected.zero_std_groups) = scored_group_advantages(
+            &groups,
+            &collected.rewards,
+            &scored,
+            dense.len(),
+            algorithm.estimator(),
+            algorithm.std_eps,
+        );
     }
 
     /// The completions' texts and their scores. A failed episode is not scored; the step's
@@ -253,18 +296,21 @@ impl<'a> Sampler<'a> {
             .collect()
     }
 
-    /// One request completing each of `records` `group_size` times, as groups of `step`.
+    /// One request completing each of `records` `group_size` times, as groups
+    /// `first_group..` of `step`.
     pub(super) fn generate_request(
         &self,
         step: u64,
         records: &[usize],
+        first_group: usize,
         seed: u64,
     ) -> GenerateRequest {
         GenerateRequest {
             prompts: records
                 .iter()
                 .enumerate()
-                .map(|(group, &record)| PromptRequest {
+                .map(|(offset, &record)| (first_group + offset, record))
+                .map(|(group, record)| PromptRequest {
                     prompt_ids: self.prompt_ids[record].clone(),
                     n: self.config.rollout.group_size as u32,
                     max_new_tokens: self.budgets.get(record).cloned().unwrap_or_default(),
@@ -284,14 +330,16 @@ impl<'a> Sampler<'a> {
         &self,
         step: u64,
         records: &[usize],
+        first_group: usize,
         seed: u64,
     ) -> Result<(Vec<Trajectory>, GeneratorMetrics), RunError> {
         let group_size = self.config.rollout.group_size;
-        let request = self.generate_request(step, records, seed);
+        let request = self.generate_request(step, records, first_group, seed);
         let response = self.roles.generator.generate(request).await?;
         let metrics = response.metrics;
         let mut trajectories = Vec::with_capacity(records.len() * group_size);
-        for (group, (&record, completions)) in records.iter().zip(response.groups).enumerate() {
+        for (offset, (&record, completions)) in records.iter().zip(response.groups).enumerate() {
+            let group = first_group + offset;
             let prompt = &self.prompt_ids[record];
             for completion in completions {
                 let mut tokens = prompt.clone();

@@ -52,6 +52,7 @@ impl Controller<'_> {
                 .train(TrainRequest {
                     micro_batches: batches,
                     learning_rate: sft.learning_rate,
+                    epochs: 1,
                 })
                 .await?;
             self.state.sft_step += 1;

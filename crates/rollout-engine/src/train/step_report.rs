@@ -51,6 +51,9 @@ impl StepReport {
             advantages,
             failures,
             zero_std_groups,
+            refilled_groups,
+            refill_rounds,
+            records: _,
             generate_seconds,
             score_seconds,
             generator_metrics,
@@ -111,6 +114,10 @@ impl StepReport {
             "zero_std_group_fraction".into(),
             json!(zero_std_groups as f64 / records.len().max(1) as f64),
         );
+        if sampler.config.algorithm.dynamic_sampling_rounds > 0 {
+            line.insert("refilled_groups".into(), json!(refilled_groups));
+            line.insert("refill_rounds".into(), json!(refill_rounds));
+        }
         line.insert("micro_batches".into(), json!(packing.micro_batches));
         line.insert("trained_rows".into(), json!(packing.rows));
         line.insert("skipped_rows".into(), json!(packing.skipped_rows));

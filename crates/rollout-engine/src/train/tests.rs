@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use rollout_net::messages::{
     Completion, FinishReason, GenerateRequest, GenerateResponse, ScoreRequest, ScoreResponse,
-    TrainRequest, TrainResponse, WeightsReport,
+    TrainRequest, TrainResponse, ValuesRequest, ValuesResponse, WeightsReport,
 };
 use tokio::sync::watch;
 
@@ -167,6 +167,15 @@ impl Learner for FakeLearner {
                 weight_version: version,
             })
         })
+    }
+
+    fn values(&self, request: ValuesRequest) -> RoleFuture<'_, ValuesResponse> {
+        let values = request
+            .micro_batches
+            .iter()
+            .map(|b| vec![0.0; b.rows * b.width])
+            .collect();
+        Box::pin(async move { Ok(ValuesResponse { values }) })
     }
 
     fn save(&self, directory: PathBuf) -> RoleFuture<'_, ()> {
