@@ -12,6 +12,7 @@ Each ``check_*`` exercises one plugin the way the engine will and raises
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import tempfile
@@ -28,6 +29,7 @@ from rollout_sdk.snapshot import HostTensor, Snapshot, TensorFile, write_snapsho
 from rollout_sdk.types import (
     GenerationRequest,
     GrpoObjective,
+    PpoObjective,
     Sample,
     SamplingParams,
     TokenBatch,
@@ -171,6 +173,7 @@ def check_policy(
     after = policy.export_weights()
     _require(set(before) == set(after), "export_weights names changed after an update")
     _require(any(not np.array_equal(before[k], after[k]) for k in before), "apply_update changed no weight")
+    _check_values(policy, train, after)
 
     try:
         snapshot = _copied(policy.snapshot())
@@ -190,6 +193,28 @@ def check_policy(
         )
     if snapshot is not None:
         _check_snapshot(policy, snapshot, before, after)
+
+
+def _check_values(policy: Policy, train: TrainBatch, weights: dict[str, np.ndarray]) -> None:
+    """A policy with a value head: its predictions' shape, and a critic warm-up update (PPO
+    with ``train_policy=False``) that trains the head without moving the policy."""
+    try:
+        values = policy.values(train)
+    except NotImplementedError:
+        return
+    _require(values.shape == train.input_ids.shape, "values returned the wrong shape")
+    finite = values.dtype == np.float32 and bool(np.all(np.isfinite(values)))
+    _require(finite, "values must be finite float32")
+    returns = np.where(train.loss_mask > 0, 1.0, 0.0).astype(np.float32)
+    warm_up = dataclasses.replace(
+        train, objective=PpoObjective(train_policy=False), returns=returns, old_values=values
+    )
+    metrics = policy.train_step(warm_up)
+    _require("value_loss" in metrics, "a PPO train_step reports no value_loss")
+    policy.apply_update(1e-3)
+    moved = policy.export_weights()
+    _require(all(np.array_equal(weights[k], moved[k]) for k in weights), "a critic warm-up moved the policy")
+    _require(not np.array_equal(policy.values(train), values), "a critic warm-up left the values unchanged")
 
 
 def _copied(snapshot: Snapshot) -> dict[str, bytes | TensorFile]:

@@ -1,0 +1,217 @@
+//! One RL step's update: the step's samples as micro-batches of its algorithm's objective
+//! (with PPO's value targets), trained while later steps are sampled, then the new weights
+//! sent to the generators.
+
+use std::time::Instant;
+
+use rollout_net::messages::{KlPenalty, MicroBatch, Objective, TrainRequest, ValuesRequest};
+use serde_json::Value;
+
+use super::pipeline::{Pipeline, StepSamples};
+use super::sampler::{Collected, Trajectory};
+use super::step_report::StepReport;
+use super::{Controller, PackingStats, RunError, TrainSequence, micro_batches, ppo};
+use crate::config::{Algorithm, Config};
+use crate::roles::RoleError;
+
+/// The objective of RL step `step`'s update under `[algorithm]`.
+pub(super) fn rl_objective(config: &Config, step: u64) -> Objective {
+    let algorithm = &config.algorithm;
+    let (clip_low, clip_high) = algorithm.clip();
+    let temperature = if config.rollout.temperature > 0.0 {
+        config.rollout.temperature
+    } else {
+        1.0
+    };
+    let kl_coef = algorithm.kl_coef;
+    match algorithm.name {
+        Algorithm::Ppo => Objective::Ppo {
+            clip_low,
+            clip_high,
+            kl_coef,
+            temperature,
+            value_clip: algorithm.value_clip,
+            value_coef: algorithm.value_coef,
+            train_policy: step > algorithm.critic_warmup_steps,
+        },
+        Algorithm::Gspo => Objective::Gspo {
+            clip_low,
+            clip_high,
+            kl_coef,
+            temperature,
+        },
+        name => Objective::Grpo {
+            clip_low,
+            clip_high,
+            kl_coef,
+            temperature,
+            kl_penalty: if name == Algorithm::ReinforcePp {
+                KlPenalty::Reward
+            } else {
+                KlPenalty::Loss
+            },
+        },
+    }
+}
+
+impl<'a> Controller<'a> {
+    /// One RL step; returns its metrics line and the samples to log.
+    /// Trains on one step's samples (sampling of later steps goes on meanwhile) and sends
+    /// the new weights to the generators. `started` is when the previous step ended.
+    pub(super) async fn rl_step<'s>(
+        &mut self,
+        samples: StepSamples,
+        pipeline: &mut Pipeline<'s>,
+        started: Instant,
+    ) -> Result<(Value, Vec<Value>), RunError>
+    where
+        'a: 's,
+    {
+        let StepSamples {
+            step,
+            epoch,
+            records,
+            collected,
+        } = samples;
+        let collected = collected?;
+        let trained_version = self.state.weight_version;
+        self.check_staleness(step, &collected.trajectories)?;
+
+        let training = Instant::now();
+        let (batches, packing) = self.micro_batches(step, &collected, pipeline).await?;
+        let learning_rate = self.learning_rate(self.state.weight_version);
+        let response = pipeline
+            .while_running(self.roles.learner.train(TrainRequest {
+                micro_batches: batches,
+                learning_rate,
+                epochs: self.config.algorithm.epochs,
+            }))
+            .await??;
+        self.state.weight_version = response.weight_version;
+        let train_seconds = training.elapsed().as_secs_f64();
+        let sync_started = Instant::now();
+        self.send_weights(pipeline).await?;
+        let weight_sync_seconds = sync_started.elapsed().as_secs_f64();
+
+        let report = StepReport {
+            step,
+            epoch,
+            records,
+            collected,
+            response,
+            packing,
+            learning_rate,
+            trained_version,
+            train_seconds,
+            weight_sync_seconds,
+            step_seconds: started.elapsed().as_secs_f64(),
+            has_environment: self.roles.environments.is_some(),
+        };
+        Ok(report.into_lines(&self.sampler, self.config.run.log_samples))
+    }
+
+    fn check_staleness(&self, step: u64, trajectories: &[Trajectory]) -> Result<(), RunError> {
+        let trained_version = self.state.weight_version;
+        let max_staleness = trajectories
+            .iter()
+            .map(|t| trained_version.saturating_sub(t.weight_version))
+            .max()
+            .unwrap_or(0);
+        if max_staleness > self.max_staleness() {
+            return Err(RunError::Data(format!(
+                "step {step}: a sample generated with weights {} is {max_staleness} versions \
+                 behind the trainer ({trained_version}), past cluster.max_staleness = {}",
+                trained_version - max_staleness,
+                self.max_staleness()
+            )));
+        }
+        Ok(())
+    }
+
+    /// The step's samples as micro-batches of its objective. A sample whose reward failed
+    /// is not trained on at all (no loss, no KL term, not in the token count the loss is
+    /// normalised by). PPO's carry their reward, which GAE turns into token advantages
+    /// with the value head's predictions.
+    async fn micro_batches<'s>(
+        &self,
+        step: u64,
+        collected: &Collected,
+        pipeline: &mut Pipeline<'s>,
+    ) -> Result<(Vec<MicroBatch>, PackingStats), RunError>
+    where
+        'a: 's,
+    {
+        let algorithm = &self.config.algorithm;
+        let ppo = algorithm.name == Algorithm::Ppo;
+        let per_sequence = if ppo {
+            &collected.rewards
+        } else {
+            &collected.advantages
+        };
+        let sequences: Vec<TrainSequence> = collected
+            .trajectories
+            .iter()
+            .zip(per_sequence)
+            .zip(&collected.failures)
+            .filter(|(_, failure)| failure.is_none())
+            .map(|((trajectory, &advantage), _)| TrainSequence {
+                tokens: trajectory.tokens.clone(),
+                loss_mask: trajectory.loss_mask.clone(),
+                logprobs: trajectory.logprobs.clone(),
+                advantage: advantage as f32,
+            })
+            .collect();
+        let objective = rl_objective(self.config, step);
+        // A zero advantage is no gradient, unless a KL term or PPO's value loss remains.
+        let skip_zero = algorithm.kl_coef == 0.0 && !ppo;
+        let budget = self.config.train.micro_batch_tokens;
+        let (mut batches, packing) = micro_batches(&sequences, &objective, budget, skip_zero);
+        if ppo {
+            let request = ValuesRequest {
+                micro_batches: batches.clone(),
+            };
+            let values = pipeline
+                .while_running(self.roles.learner.values(request))
+                .await??;
+            ppo::attach_targets(&mut batches, values.values, algorithm)
+                .map_err(|err| RoleError::Protocol(format!("the value head: {err}")))?;
+        }
+        Ok((batches, packing))
+    }
+
+    /// Sends the learner's new weights to generators that hold their own; with no
+    /// staleness allowed, waits until they serve them.
+    async fn send_weights<'s>(&self, pipeline: &mut Pipeline<'s>) -> Result<(), RunError>
+    where
+        'a: 's,
+    {
+        if !self.roles.learner.needs_weight_sync() {
+            return Ok(());
+        }
+        // A trainer serves one version at a time: the previous one must have reached
+        // every generator before the next replaces it.
+        pipeline.finish_loading().await?;
+        let published = pipeline
+            .while_running(
+                self.roles
+                    .learner
+                    .publish_weights(self.config.cluster.weight_bucket_bytes),
+            )
+            .await??;
+        pipeline.load(self.roles.generator.load_weights(published));
+        if self.max_staleness() == 0 {
+            pipeline.finish_loading().await?;
+        }
+        Ok(())
+    }
+
+    /// Linear warm-up over `train.warmup_steps` RL updates, then constant.
+    pub(super) fn learning_rate(&self, weight_version: u64) -> f64 {
+        let train = &self.config.train;
+        let rl_updates = weight_version.saturating_sub(self.state.sft_step) + 1;
+        if train.warmup_steps == 0 {
+            return train.learning_rate;
+        }
+        train.learning_rate * (rl_updates as f64 / train.warmup_steps as f64).min(1.0)
+    }
+}
