@@ -1,8 +1,10 @@
 """Files for the offline quickstart: a character tokenizer, a tiny Llama and an addition dataset.
 
-``python -m python_plugins.quickstart DIR [--force]`` writes ``DIR/model`` and
-``DIR/data/{train,test}.jsonl``; the `rollout` binary calls :func:`create`. Everything is
-seeded, so the same arguments always give byte-identical files.
+``python -m python_plugins.quickstart DIR [--force]`` writes ``DIR/model``,
+``DIR/data/{train,test}.jsonl`` and ``DIR/quickstart.toml`` (``configs/quickstart.toml`` with
+the model and data paths under ``DIR``, so an installed ``rollout`` needs no clone of the
+repository to run it); the `rollout` binary calls :func:`create`. Everything is seeded, so
+the same arguments always give byte-identical files.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ __all__ = [
     "create_char_tokenizer",
     "create_tiny_model",
     "main",
+    "quickstart_config",
     "write_addition_dataset",
     "write_addition_splits",
 ]
@@ -140,10 +143,74 @@ def _write_jsonl(path: str | Path, records: Iterable[Mapping[str, Any]]) -> Path
     return target
 
 
+# configs/quickstart.toml with the model and data paths as placeholders (a test checks the two
+# agree): what `rollout run DIR/quickstart.toml` runs after `rollout init-quickstart --dir DIR`.
+QUICKSTART_CONFIG = """\
+# The quickstart (configs/quickstart.toml in the repository), written by
+# `rollout init-quickstart`: a tiny Llama-style model learns two-digit addition. A short
+# supervised warm start gives it a first foothold, then GRPO raises the exact-match reward.
+# Run it with `rollout run {config}`; output_dir is relative to the working directory.
+
+[run]
+name = "quickstart"
+output_dir = "runs/quickstart"
+seed = 0
+steps = 150
+
+[policy]
+plugin = "python_plugins.hf_policy:HFCausalLM"
+options = {{ model_path = {model}, torch_threads = 2 }}
+
+[data]
+plugin = "python_plugins.data:JsonlPrompts"
+options = {{ path = {train}, template = "{{question}}" }}
+
+[[rewards]]
+plugin = "python_plugins.rewards:ExactMatch"
+
+[[callbacks]]
+plugin = "python_plugins.callbacks:ConsoleProgress"
+options = {{ every = 10 }}
+
+[rollout]
+prompts_per_step = 32
+group_size = 8
+max_new_tokens = 6
+temperature = 1.0
+
+[algorithm]
+advantage = "group_norm"
+
+[train]
+learning_rate = 5e-5
+micro_batch_tokens = 4096
+
+[sft]
+steps = 400
+batch_size = 64
+learning_rate = 5e-4
+
+[checkpoint]
+every = 50
+keep = 2
+"""
+
+
+def quickstart_config(directory: str | Path) -> str:
+    """The quickstart's run config for the model and data under ``directory`` (absolute paths)."""
+    root = Path(directory).resolve()
+    return QUICKSTART_CONFIG.format(
+        config=root / "quickstart.toml",
+        model=json.dumps(str(root / "model")),
+        train=json.dumps(str(root / "data" / "train.jsonl")),
+    )
+
+
 def create(directory: str, force: bool) -> dict[str, Any]:
     """Write the quickstart model and data under ``directory`` unless present (or ``force``).
 
-    Returns the paths of the model directory and the two splits, and the parameter count.
+    Returns the paths of the model directory, the two splits and the run config, and the
+    parameter count.
     """
     return _create(Path(directory), force)[0]
 
@@ -152,6 +219,7 @@ def _create(root: Path, force: bool) -> tuple[dict[str, Any], list[str]]:
     """:func:`create`, also returning which of its paths were (re)written."""
     model_dir, data_dir = root / "model", root / "data"
     weights, train, test = model_dir / "model.safetensors", data_dir / "train.jsonl", data_dir / "test.jsonl"
+    config = root / "quickstart.toml"
     written = []
     if force or not weights.exists():
         create_tiny_model(model_dir, **QUICKSTART_MODEL)
@@ -159,7 +227,10 @@ def _create(root: Path, force: bool) -> tuple[dict[str, Any], list[str]]:
     if force or not (train.exists() and test.exists()):
         write_addition_splits(data_dir, train=TRAIN_EXAMPLES, test=TEST_EXAMPLES, seed=0)
         written += [str(train), str(test)]
-    paths = {"model": str(model_dir), "train": str(train), "test": str(test)}
+    if force or not config.exists():
+        config.write_text(quickstart_config(root))
+        written.append(str(config))
+    paths = {"model": str(model_dir), "train": str(train), "test": str(test), "config": str(config)}
     return {**paths, "parameters": _count_parameters(weights)}, written
 
 
@@ -174,9 +245,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="overwrite files that already exist")
     args = parser.parse_args(argv)
     result, written = _create(Path(args.directory), args.force)
-    for key in ("model", "train", "test"):
+    for key in ("model", "train", "test", "config"):
         action = "wrote" if result[key] in written else "kept (exists; --force rewrites)"
-        print(f"{key:<5} {result[key]}: {action}")
+        print(f"{key:<6} {result[key]}: {action}")
     print(f"the model has {result['parameters']:,} parameters")
     return 0
 

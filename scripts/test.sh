@@ -7,6 +7,15 @@ source "$ROOT/scripts/setup.sh"
 cd "$ROOT"
 export PYO3_PYTHON="$PYTHON"
 
+# The report test screenshots the page in headless Chromium; it is skipped where Chromium
+# is missing and cannot be installed (not root, no apt).
+if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  say "installing chromium for the report screenshot test"
+  apt-get install -y --no-install-recommends chromium >/dev/null 2>&1 \
+    || { apt-get update >/dev/null 2>&1 && apt-get install -y --no-install-recommends chromium >/dev/null 2>&1; } \
+    || echo "could not install chromium: the report screenshot test will be skipped" >&2
+fi
+
 say "formatting and lints"
 cargo fmt --all --check
 cargo clippy --release --locked --all-targets --quiet -- -D warnings

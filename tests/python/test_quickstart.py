@@ -1,6 +1,7 @@
 """The quickstart's tokenizer, tiny model and addition data."""
 
 import json
+from pathlib import Path
 
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -83,7 +84,7 @@ def test_more_problems_than_exist_is_an_error(tmp_path):
 
 def test_create_is_idempotent_and_force_rewrites(tmp_path, capsys):
     written = quickstart.create(str(tmp_path), False)
-    assert set(written) == {"model", "train", "test", "parameters"}
+    assert set(written) == {"model", "train", "test", "config", "parameters"}
     assert AutoTokenizer.from_pretrained(written["model"]) is not None
     weights = tmp_path / "model" / "model.safetensors"
     train = tmp_path / "data" / "train.jsonl"
@@ -93,3 +94,18 @@ def test_create_is_idempotent_and_force_rewrites(tmp_path, capsys):
     assert quickstart.main([str(tmp_path), "--force"]) == 0
     assert "model" in capsys.readouterr().out
     assert weights.stat().st_mtime_ns != stamps[0]
+
+
+def test_the_written_config_is_the_repositorys_quickstart_with_paths_under_the_directory(tmp_path):
+    """`rollout init-quickstart --dir D` writes D/quickstart.toml: configs/quickstart.toml, so
+    that an installed rollout (no clone) runs the same quickstart."""
+    written = quickstart.create(str(tmp_path), False)
+    assert Path(written["model"]).is_absolute()
+    repo = (Path(__file__).resolve().parents[2] / "configs" / "quickstart.toml").read_text()
+    repo = repo.replace('"artifacts/quickstart/model"', json.dumps(written["model"]))
+    repo = repo.replace('"artifacts/quickstart/data/train.jsonl"', json.dumps(written["train"]))
+
+    def settings(text: str) -> list[str]:
+        return [line for line in text.splitlines() if line.strip() and not line.startswith("#")]
+
+    assert settings(Path(written["config"]).read_text()) == settings(repo)

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use rollout_net::messages::{Completion, FinishReason, GenerateRequest, GenerateResponse};
+use tracing::Instrument;
 
 use crate::config::{EngineSection, SpeculationMethod};
 use crate::engine::{EngineConfig, EngineStats, Request, SampleParams, Scheduler, Speculation};
@@ -149,6 +150,7 @@ impl PagedGenerator {
             let allocator = policy.clone();
             worker
                 .run(move |py| allocator.allocate_kv(py, num_slots))
+                .instrument(tracing::info_span!("engine.allocate_kv", num_blocks))
                 .await??;
             tracing::info!(
                 "sampling engine: KV cache of {num_blocks} blocks of {} tokens ({:.1} MiB; the budget allows {})",
@@ -244,12 +246,18 @@ impl PagedGenerator {
             + 4;
         while let Some(plan) = scheduler.plan() {
             let runner = policy.clone();
+            let span = tracing::info_span!(
+                "engine.step",
+                seqs = plan.num_seqs(),
+                tokens = plan.num_tokens()
+            );
             let (plan, result) = worker
                 .run(move |py| {
                     let mut plan = plan;
                     let result = runner.engine_step(py, &mut plan);
                     (plan, result)
                 })
+                .instrument(span)
                 .await?;
             let (outcome, forward_seconds) = result?;
             measured.steps += 1;

@@ -13,6 +13,7 @@ use rollout_net::messages::{
     ValuesRequest, ValuesResponse, WeightsReport,
 };
 use rollout_net::tensor::TensorMeta;
+use tracing::Instrument;
 
 use crate::cluster::weights::{TensorBytes, VersionBuffer};
 use crate::config::{ClusterConfig, LoadedConfig};
@@ -71,6 +72,15 @@ fn boxed<'a, T: Send + 'a>(
     future: impl std::future::Future<Output = Result<T, RoleError>> + Send + 'a,
 ) -> RoleFuture<'a, T> {
     Box::pin(future)
+}
+
+/// A role call in a span that `span` creates when the call first runs, so that it nests in
+/// the span of whatever awaits it (`--trace`).
+fn traced<'a, T: Send + 'a>(
+    span: impl FnOnce() -> tracing::Span + Send + 'a,
+    future: impl std::future::Future<Output = Result<T, RoleError>> + Send + 'a,
+) -> RoleFuture<'a, T> {
+    Box::pin(async move { future.instrument(span()).await })
 }
 
 /// The policy plugin of a run, its sampling engine and the version of its weights.
@@ -166,6 +176,7 @@ impl PolicyHost {
         let tensors = self
             .worker
             .run(move |py| policy.export_weights(py))
+            .instrument(tracing::info_span!("weights.export", version))
             .await??;
         Ok((version, tensors))
     }
@@ -185,6 +196,7 @@ impl PolicyHost {
                 weight_version.store(version, Ordering::SeqCst);
                 Ok::<_, PluginError>(())
             })
+            .instrument(tracing::info_span!("weights.import", version))
             .await??;
         Ok(())
     }
@@ -194,7 +206,9 @@ impl Generator for PolicyHost {
     fn generate(&self, request: GenerateRequest) -> RoleFuture<'_, GenerateResponse> {
         let policy = self.policy.clone();
         let version = self.weight_version.load(Ordering::SeqCst);
-        boxed(async move {
+        let prompts = request.prompts.len();
+        let span = move || tracing::info_span!("policy.generate", prompts, version);
+        traced(span, async move {
             if let Some(engine) = &self.engine {
                 return engine
                     .generate(&self.worker, &policy, request, &self.eos_token_ids, version)
@@ -224,7 +238,7 @@ impl Generator for PolicyHost {
 impl Learner for PolicyHost {
     fn train(&self, request: TrainRequest) -> RoleFuture<'_, TrainResponse> {
         let policy = self.policy.clone();
-        boxed(async move {
+        traced(|| tracing::info_span!("policy.train"), async move {
             let metrics = self
                 .worker
                 .run(move |py| policy.train(py, &request))
@@ -239,7 +253,7 @@ impl Learner for PolicyHost {
 
     fn values(&self, request: ValuesRequest) -> RoleFuture<'_, ValuesResponse> {
         let policy = self.policy.clone();
-        boxed(async move {
+        traced(|| tracing::info_span!("policy.values"), async move {
             let values = self
                 .worker
                 .run(move |py| policy.values(py, &request))
@@ -250,7 +264,7 @@ impl Learner for PolicyHost {
 
     fn save(&self, directory: PathBuf) -> RoleFuture<'_, ()> {
         let policy = self.policy.clone();
-        boxed(async move {
+        traced(|| tracing::info_span!("policy.save"), async move {
             Ok(self
                 .worker
                 .run(move |py| policy.save(py, &directory))
@@ -262,7 +276,7 @@ impl Learner for PolicyHost {
     /// a policy without `snapshot` saves in the foreground.
     fn save_in_background(&self, directory: PathBuf) -> RoleFuture<'_, SaveWritten> {
         let policy = self.policy.clone();
-        boxed(async move {
+        traced(|| tracing::info_span!("policy.snapshot"), async move {
             let Some(files) = self.worker.run(move |py| policy.snapshot(py)).await?? else {
                 self.save(directory).await?;
                 return Ok(Box::pin(async { Ok(()) }) as SaveWritten);
@@ -281,7 +295,7 @@ impl Learner for PolicyHost {
 
     fn restore(&self, directory: PathBuf, weight_version: u64) -> RoleFuture<'_, ()> {
         let policy = self.policy.clone();
-        boxed(async move {
+        traced(|| tracing::info_span!("policy.restore"), async move {
             self.worker
                 .run(move |py| policy.load_state(py, &directory))
                 .await??;
@@ -293,7 +307,7 @@ impl Learner for PolicyHost {
     /// Reports the version and checksum of the weights this process holds; nothing is
     /// copied for an in-process generator.
     fn publish_weights(&self, bucket_bytes: u64) -> RoleFuture<'_, WeightsReport> {
-        boxed(async move {
+        traced(|| tracing::info_span!("policy.publish"), async move {
             let (version, tensors) = self.export_weights().await?;
             let buffer = VersionBuffer::from_tensors(version, &tensors, bucket_bytes)
                 .map_err(|err| RoleError::Protocol(err.to_string()))?;
@@ -315,7 +329,9 @@ impl Learner for PolicyHost {
 impl Tokenizer for PolicyHost {
     fn encode(&self, texts: Vec<String>, continuation: bool) -> RoleFuture<'_, Vec<Vec<u32>>> {
         let policy = self.policy.clone();
-        boxed(async move {
+        let count = texts.len();
+        let span = move || tracing::info_span!("tokenizer.encode", texts = count);
+        traced(span, async move {
             Ok(self
                 .worker
                 .run(move |py| policy.encode(py, &texts, continuation))
@@ -325,7 +341,9 @@ impl Tokenizer for PolicyHost {
 
     fn decode(&self, sequences: Vec<Vec<u32>>) -> RoleFuture<'_, Vec<String>> {
         let policy = self.policy.clone();
-        boxed(async move {
+        let count = sequences.len();
+        let span = move || tracing::info_span!("tokenizer.decode", sequences = count);
+        traced(span, async move {
             Ok(self
                 .worker
                 .run(move |py| {
@@ -407,7 +425,11 @@ impl Services {
 
 impl Scorer for Services {
     fn score(&self, request: ScoreRequest) -> RoleFuture<'_, ScoreResponse> {
-        boxed(self.rewards.score(&self.worker, request))
+        let samples = request.samples.len();
+        traced(
+            move || tracing::info_span!("rewards.score", samples),
+            self.rewards.score(&self.worker, request),
+        )
     }
 }
 
@@ -417,7 +439,9 @@ impl Environments for Services {
         first_id: u64,
         starts: Vec<EpisodeStart>,
     ) -> RoleFuture<'_, Vec<EpisodeResult<String>>> {
-        boxed(async move {
+        let episodes = starts.len();
+        let span = move || tracing::info_span!("env.start", episodes);
+        traced(span, async move {
             match &self.environment {
                 Some(host) => host.start(&self.worker, first_id, starts).await,
                 None => Ok(Vec::new()),
@@ -426,7 +450,9 @@ impl Environments for Services {
     }
 
     fn step(&self, actions: Vec<(u64, String)>) -> RoleFuture<'_, Vec<EpisodeResult<StepOutcome>>> {
-        boxed(async move {
+        let episodes = actions.len();
+        let span = move || tracing::info_span!("env.step", episodes);
+        traced(span, async move {
             match &self.environment {
                 Some(host) => host.step(&self.worker, actions).await,
                 None => Ok(Vec::new()),
@@ -435,7 +461,7 @@ impl Environments for Services {
     }
 
     fn finish(&self, ids: Vec<u64>) -> RoleFuture<'_, ()> {
-        boxed(async move {
+        traced(|| tracing::info_span!("env.finish"), async move {
             match &self.environment {
                 Some(host) => host.finish(&self.worker, ids).await,
                 None => Ok(()),
@@ -449,11 +475,13 @@ type Notify<'a> = Pin<Box<dyn std::future::Future<Output = ()> + Send + 'a>>;
 impl Services {
     fn notify(
         &self,
+        hook: &'static str,
         event: impl for<'py> FnOnce(pyo3::Python<'py>, &CallbackSet) + Send + 'static,
     ) -> Notify<'_> {
         let callbacks = self.callbacks.clone();
         Box::pin(async move {
-            if let Err(err) = self.worker.run(move |py| event(py, &callbacks)).await {
+            let run = self.worker.run(move |py| event(py, &callbacks));
+            if let Err(err) = run.instrument(tracing::info_span!("callbacks", hook)).await {
                 tracing::error!("callbacks could not run: {err}");
             }
         })
@@ -462,18 +490,26 @@ impl Services {
 
 impl Observer for Services {
     fn run_started(&self, info: RunStarted) -> Notify<'_> {
-        self.notify(move |py, callbacks| callbacks.on_run_start(py, &info))
+        self.notify("on_run_start", move |py, callbacks| {
+            callbacks.on_run_start(py, &info)
+        })
     }
 
     fn step_ended(&self, step: u64, metrics: serde_json::Value) -> Notify<'_> {
-        self.notify(move |py, callbacks| callbacks.on_step_end(py, step, &metrics))
+        self.notify("on_step_end", move |py, callbacks| {
+            callbacks.on_step_end(py, step, &metrics)
+        })
     }
 
     fn checkpoint_written(&self, step: u64, path: PathBuf) -> Notify<'_> {
-        self.notify(move |py, callbacks| callbacks.on_checkpoint(py, step, &path))
+        self.notify("on_checkpoint", move |py, callbacks| {
+            callbacks.on_checkpoint(py, step, &path)
+        })
     }
 
     fn run_ended(&self, summary: serde_json::Value) -> Notify<'_> {
-        self.notify(move |py, callbacks| callbacks.on_run_end(py, &summary))
+        self.notify("on_run_end", move |py, callbacks| {
+            callbacks.on_run_end(py, &summary)
+        })
     }
 }

@@ -1,7 +1,7 @@
 //! `rollout`: the command-line entry point.
 
 use std::io::{IsTerminal, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -25,6 +25,11 @@ struct Cli {
     /// Log more (debug level); `ROLLOUT_LOG` takes a full filter such as `rollout_engine=trace`.
     #[arg(short, long, global = true)]
     verbose: bool,
+    /// Write a Chrome trace of the run's spans (steps, generation, scoring, training, weight
+    /// sync, engine steps) to FILE; open it in https://ui.perfetto.dev or chrome://tracing.
+    /// `rollout launch` merges its roles' traces into FILE.
+    #[arg(long, global = true, value_name = "FILE")]
+    trace: Option<PathBuf>,
     #[command(subcommand)]
     command: Command,
 }
@@ -89,7 +94,8 @@ enum Command {
         output_dir: PathBuf,
     },
     /// Predict the peak memory of every process of CONFIG's run and of each device, part by
-    /// part, from the config and the models' config.json (nothing is loaded).
+    /// part, from the config and the models' config.json (nothing is loaded); exits 1 when a
+    /// device will not hold the run (as `rollout run` would refuse it).
     Plan {
         config: PathBuf,
         #[arg(long = "set", value_name = "KEY=VALUE")]
@@ -107,6 +113,21 @@ enum Command {
         /// Memory of each device in GB, overriding `run.memory_limit_gb`.
         #[arg(long, value_name = "GB")]
         memory_limit: Option<f64>,
+    },
+    /// Write one self-contained HTML page (inline SVG, no scripts or network) with the curves
+    /// of each RUN_DIR's metrics.jsonl (reward, loss, KL, completion length, throughput) and
+    /// where their time went; several runs are overlaid, one colour each.
+    Report {
+        /// Run output directories (each holding a metrics.jsonl).
+        #[arg(required = true, value_name = "RUN_DIR")]
+        run_dirs: Vec<PathBuf>,
+        /// Where to write the page (default: report.html in the first RUN_DIR).
+        #[arg(short, long, value_name = "PATH")]
+        output: Option<PathBuf>,
+        /// Smooth each line with an exponential moving average of this weight (0 to 0.99);
+        /// the raw values stay, faint, underneath.
+        #[arg(long, default_value_t = 0.0, value_name = "WEIGHT")]
+        smooth: f64,
     },
     /// Create the quickstart's tiny model, tokenizer and addition dataset (no downloads).
     InitQuickstart {
@@ -228,7 +249,10 @@ const EXIT_INTERRUPTED: u8 = 130;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging(cli.verbose);
+    if let Err(err) = init_logging(cli.verbose, cli.trace.as_deref(), &cli.command) {
+        eprintln!("error: {err}");
+        return ExitCode::from(EXIT_FAILURE);
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -237,6 +261,7 @@ fn main() -> ExitCode {
         Ok(runtime) => runtime,
         Err(err) => {
             eprintln!("error: cannot start the async runtime: {err}");
+            finish_trace();
             return ExitCode::from(EXIT_FAILURE);
         }
     };
@@ -255,6 +280,7 @@ fn main() -> ExitCode {
 /// `os._exit`: at a normal exit the libraries torch loads (the CUDA ones too, even on a CPU)
 /// run static destructors that page about 100 MB back into memory and take time, for nothing.
 fn exit_without_teardown(code: u8) -> ExitCode {
+    finish_trace();
     let _ = std::io::stdout().flush();
     let _ = std::io::stderr().flush();
     Python::try_attach(|py| {
@@ -271,16 +297,60 @@ fn exit_without_teardown(code: u8) -> ExitCode {
     ExitCode::from(code)
 }
 
-fn init_logging(verbose: bool) {
+/// Logs to stderr and, with `--trace FILE`, records spans into FILE: the two are separate
+/// layers with filters of their own, so log lines are the same with or without a trace.
+fn init_logging(verbose: bool, trace: Option<&Path>, command: &Command) -> std::io::Result<()> {
+    use tracing_subscriber::layer::{Layer, SubscriberExt};
+    use tracing_subscriber::util::SubscriberInitExt;
     let default = if verbose { "debug" } else { "info" };
     let filter = tracing_subscriber::EnvFilter::try_from_env("ROLLOUT_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
+    let logs = tracing_subscriber::fmt::layer()
         .with_target(false)
         .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr)
-        .init();
+        .with_filter(tracing_subscriber::filter::FilterExt::and(
+            filter,
+            rollout_engine::trace::log_filter(),
+        ));
+    // Not an `Option` layer: a `None` one would have every span created (and dropped) even
+    // though no layer records it; without a trace, spans cost nothing.
+    match trace {
+        Some(path) => {
+            let trace = rollout_engine::trace::layer(path, &process_name(command))?;
+            tracing_subscriber::registry().with(logs).with(trace).init();
+            rollout_engine::trace::anchor();
+        }
+        None => tracing_subscriber::registry().with(logs).init(),
+    }
+    Ok(())
+}
+
+/// This process in a trace: the controller of `rollout launch`, a role by its `--name`.
+fn process_name(command: &Command) -> String {
+    match command {
+        Command::Launch { .. } => "controller".into(),
+        Command::Worker { role } => role.name.clone().unwrap_or_else(|| "worker".into()),
+        Command::Trainer { role, .. } => role.name.clone().unwrap_or_else(|| "trainer".into()),
+        _ => "rollout".into(),
+    }
+}
+
+/// Writes out the `--trace` file, if any (and merges the traces of `rollout launch`'s
+/// roles into it); on every way out of the process.
+fn finish_trace() {
+    match rollout_engine::trace::finish() {
+        Ok(Some(written)) => tracing::info!(
+            "trace written to {}{} (open it in https://ui.perfetto.dev)",
+            written.path.display(),
+            match written.merged {
+                0 => String::new(),
+                merged => format!(", with the traces of {merged} role processes merged in"),
+            }
+        ),
+        Ok(None) => {}
+        Err(err) => eprintln!("warning: the trace could not be written: {err}"),
+    }
 }
 
 fn exit_code(err: &anyhow::Error) -> u8 {
@@ -407,6 +477,25 @@ async fn execute(command: Command) -> anyhow::Result<()> {
             } else {
                 print!("{}", plan::render(&plan));
             }
+            // The plan is printed either way; a run that would be refused exits 1.
+            Ok(plan::check(&plan)?)
+        }
+        Command::Report {
+            run_dirs,
+            output,
+            smooth,
+        } => {
+            let written = rollout_engine::report::write(&rollout_engine::report::Options {
+                run_dirs,
+                output,
+                smoothing: smooth,
+            })?;
+            println!(
+                "report of {} run(s), {} charts: {}",
+                written.runs,
+                written.charts.len(),
+                written.html.display()
+            );
             Ok(())
         }
         Command::InitQuickstart { dir, force } => init_quickstart(dir, force).await,
@@ -554,6 +643,7 @@ fn watch_ctrl_c() -> Arc<AtomicBool> {
                 "\nstopping after the current step and writing a checkpoint (Ctrl-C again to stop now)"
             );
             if tokio::signal::ctrl_c().await.is_ok() {
+                finish_trace();
                 std::process::exit(i32::from(EXIT_INTERRUPTED));
             }
         }

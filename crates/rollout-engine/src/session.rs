@@ -3,6 +3,8 @@
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
+use tracing::Instrument;
+
 use crate::config::LoadedConfig;
 use crate::local::{LocalError, PolicyHost, Services};
 use crate::plugins::Record;
@@ -40,8 +42,12 @@ impl Session {
                 PythonError::Setup(format!("the Python start-up task failed: {err}"))
             })??;
         let worker = Arc::new(worker);
-        let policy = PolicyHost::load(worker.clone(), &loaded).await?;
-        let services = Services::load(worker, &loaded).await?;
+        let policy = PolicyHost::load(worker.clone(), &loaded)
+            .instrument(tracing::info_span!("policy.load"))
+            .await?;
+        let services = Services::load(worker, &loaded)
+            .instrument(tracing::info_span!("services.load"))
+            .await?;
         let records = services.records().await?;
         Ok(Session {
             loaded,

@@ -1,5 +1,6 @@
 //! `rollout plan` and the memory check of `rollout run`: a peak per role, JSON that parses,
-//! a run that cannot fit refused before Python loads, and config errors located.
+//! a run that cannot fit refused (by `rollout plan` with exit status 1, by `rollout run`
+//! before Python loads), config errors located, and every shipped config planned.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -114,14 +115,123 @@ fn plan_json_parses() {
     let device = &plan["roles"][0]["devices"][0];
     assert_eq!(device["device"], "cpu");
     assert!(device["peak_bytes"].as_u64().unwrap() > 690 << 20);
-    let names: Vec<&str> = device["components"]
+    let names = component_names(device);
+    assert!(names.contains(&"reference model"), "{names:?}");
+    assert_eq!(plan["devices"][0]["fits"], true);
+}
+
+fn component_names(device: &serde_json::Value) -> Vec<&str> {
+    device["components"]
         .as_array()
         .unwrap()
         .iter()
         .map(|c| c["name"].as_str().unwrap())
-        .collect();
-    assert!(names.contains(&"reference model"), "{names:?}");
-    assert_eq!(plan["devices"][0]["fits"], true);
+        .collect()
+}
+
+#[test]
+fn plan_json_has_each_role_with_its_peak_and_parts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = config(tmp.path(), "", "");
+    let out = rollout(
+        &[
+            "plan",
+            path.to_str().unwrap(),
+            "--json",
+            "--launch",
+            "--set",
+            "cluster.workers=2",
+            "--set",
+            "cluster.trainers=2",
+        ],
+        tmp.path(),
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    let plan: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(plan["command"], "launch");
+    let roles = plan["roles"].as_array().unwrap();
+    let names: Vec<&str> = roles.iter().map(|r| r["role"].as_str().unwrap()).collect();
+    assert_eq!(
+        names,
+        [
+            "controller",
+            "worker 0",
+            "worker 1",
+            "trainer 0",
+            "trainer 1"
+        ]
+    );
+    let mut total = 0;
+    for role in roles {
+        let devices = role["devices"].as_array().unwrap();
+        assert_eq!(devices.len(), 1, "{role}");
+        let device = &devices[0];
+        let peak = device["peak_bytes"].as_u64().unwrap();
+        // The peak is the largest sum over one phase: at least every part alive always, and
+        // at most all parts together.
+        let parts = device["components"].as_array().unwrap();
+        let bytes = |always: bool| -> u64 {
+            parts
+                .iter()
+                .filter(|p| !always || p["phases"].as_array().unwrap().len() == 4)
+                .map(|p| p["bytes"].as_u64().unwrap())
+                .sum()
+        };
+        assert!(bytes(true) <= peak && peak <= bytes(false), "{role}");
+        assert!(
+            ["load", "generate", "train", "checkpoint"]
+                .contains(&device["peak_phase"].as_str().unwrap())
+        );
+        total += peak;
+    }
+    // Workers generate and hold no optimizer; trainer ranks do.
+    assert!(component_names(&roles[1]["devices"][0]).contains(&"KV cache"));
+    assert!(!component_names(&roles[1]["devices"][0]).contains(&"optimizer state"));
+    assert!(component_names(&roles[3]["devices"][0]).contains(&"optimizer state"));
+    // The machine's check adds up every local process.
+    assert_eq!(plan["devices"][0]["predicted_peak_bytes"], total);
+}
+
+#[test]
+fn plan_exits_1_when_the_run_will_not_fit() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = config(tmp.path(), "", "");
+    let path = path.to_str().unwrap();
+    for args in [
+        vec!["plan", path, "--memory-limit", "0.1"],
+        vec!["plan", path, "--set", "run.memory_limit_gb=0.1"],
+    ] {
+        let out = rollout(&args, tmp.path());
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {}", stderr(&out));
+        // The plan is still printed, with the verdict, and the error says what to do.
+        let text = stdout(&out);
+        assert!(text.contains("run on cpu: peak "), "{text}");
+        assert!(
+            text.contains("of 95.4 MiB memory limit: DOES NOT FIT"),
+            "{text}"
+        );
+        let err = stderr(&out);
+        assert!(
+            err.contains("the run will not fit in memory: cpu: predicted peak"),
+            "{err}"
+        );
+        assert!(err.contains("95.4 MiB available (memory limit)"), "{err}");
+        assert!(err.contains("--no-plan-check"), "{err}");
+    }
+
+    let out = rollout(
+        &["plan", path, "--json", "--memory-limit", "0.1"],
+        tmp.path(),
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let plan: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(plan["devices"][0]["fits"], false);
+    assert_eq!(plan["devices"][0]["available_bytes"], 100_000_000);
+
+    // A limit the run fits in.
+    let out = rollout(&["plan", path, "--memory-limit", "1000"], tmp.path());
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).contains(": fits"), "{}", stdout(&out));
 }
 
 #[test]
@@ -238,21 +348,67 @@ fn plan_names_a_missing_model_directory() {
     assert!(err.contains("no/such/model/config.json"), "{err}");
 }
 
+/// The demo reward model of `python -m python_plugins.reward_models create-demo`.
+const REWARD_MODEL: &str = r#"{"architectures": ["LlamaForSequenceClassification"],
+    "model_type": "llama", "hidden_size": 32, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 128,
+    "vocab_size": 56, "max_position_embeddings": 512, "tie_word_embeddings": false,
+    "id2label": {"0": "has_7"}}"#;
+
+/// Every config in configs/ plans (exit 0, a peak per process), from a directory where the
+/// models their setup steps create (`rollout init-quickstart`, the demo reward model) are
+/// present as their `config.json`: the planner reads nothing else.
 #[test]
-fn plan_covers_every_shipped_config_whose_model_exists() {
+fn plan_covers_every_shipped_config() {
     let repo = repo();
+    let tmp = tempfile::tempdir().unwrap();
+    for (dir, text) in [
+        ("artifacts/quickstart/model", MODEL),
+        ("artifacts/reward_model", REWARD_MODEL),
+    ] {
+        std::fs::create_dir_all(tmp.path().join(dir)).unwrap();
+        std::fs::write(tmp.path().join(dir).join("config.json"), text).unwrap();
+    }
+    let mut planned = Vec::new();
     for entry in std::fs::read_dir(repo.join("configs")).unwrap() {
         let path = entry.unwrap().path();
         if path.extension().is_none_or(|e| e != "toml") {
             continue;
         }
-        let out = rollout(&["plan", path.to_str().unwrap()], &repo);
-        let err = stderr(&out);
-        if err.contains("cannot read") && err.contains("config.json") {
-            // The model is created by a setup step (`rollout init-quickstart`).
-            continue;
+        let name = path.file_stem().unwrap().to_string_lossy().into_owned();
+        let out = rollout(&["plan", path.to_str().unwrap()], tmp.path());
+        assert!(out.status.success(), "{name}: {}", stderr(&out));
+        let text = stdout(&out);
+        assert!(text.contains("cpu: predicted peak"), "{name}: {text}");
+        let out = rollout(&["plan", path.to_str().unwrap(), "--json"], tmp.path());
+        let plan: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+        for role in plan["roles"].as_array().unwrap() {
+            let peak = role["devices"][0]["peak_bytes"].as_u64().unwrap();
+            assert!(peak > 100 << 20, "{name}: {role}");
         }
-        assert!(out.status.success(), "{}: {err}", path.display());
-        assert!(stdout(&out).contains(": peak "), "{}", path.display());
+        let parts = component_names(&plan["roles"][0]["devices"][0]);
+        match name.as_str() {
+            "rlhf_reward_model" => assert!(parts.contains(&"reward model"), "{parts:?}"),
+            "ppo" => assert!(parts.contains(&"value head"), "{parts:?}"),
+            "lora" | "qlora" => assert!(plan["model"]["lora_rank"] == 32, "{name}"),
+            _ => {}
+        }
+        planned.push(name);
+    }
+    planned.sort();
+    for name in [
+        "dpo",
+        "dr_grpo",
+        "gspo",
+        "lora",
+        "ppo",
+        "qlora",
+        "quickstart",
+        "reinforce_pp",
+        "rlhf_reward_model",
+        "rloo",
+        "sft",
+    ] {
+        assert!(planned.iter().any(|p| p == name), "{name}: {planned:?}");
     }
 }

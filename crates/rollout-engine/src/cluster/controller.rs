@@ -14,6 +14,7 @@ use rollout_net::messages::{Done, Hello, Welcome};
 use rollout_net::rpc::RpcClient;
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
+use tracing::Instrument;
 
 use super::ClusterError;
 use super::ledger::Ledger;
@@ -200,7 +201,9 @@ pub async fn run(
             .map_err(|err| {
                 ClusterError::Protocol(format!("the Python start-up task failed: {err}"))
             })??;
-        let services = Services::load(Arc::new(worker), loaded).await?;
+        let services = Services::load(Arc::new(worker), loaded)
+            .instrument(tracing::info_span!("services.load"))
+            .await?;
         let records = services.records().await?;
         Ok::<_, ClusterError>((services, records))
     };

@@ -119,6 +119,10 @@ pub fn spawn_roles(
 impl Role {
     fn start(&mut self) -> Result<(), ClusterError> {
         let mut command = Command::from(clone_command(&self.command));
+        // Each start writes a trace of its own, merged into the launcher's at its exit.
+        if let Some(trace) = crate::trace::child_path(&self.name) {
+            command.arg("--trace").arg(trace);
+        }
         command.kill_on_drop(true);
         let child = command.spawn().map_err(|err| {
             ClusterError::Protocol(format!(

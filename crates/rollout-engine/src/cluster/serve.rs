@@ -15,6 +15,7 @@ use rollout_net::messages::{
 };
 use rollout_net::rpc::{Incoming, Responder, RpcServer};
 use rollout_net::{ClusterKey, NetError};
+use tracing::Instrument;
 
 use super::ClusterError;
 use super::weights::{VersionBuffer, WeightStore};
@@ -195,7 +196,9 @@ pub(super) async fn load_policy(loaded: &LoadedConfig) -> Result<PolicyHost, Clu
         .map_err(|err| {
             ClusterError::Protocol(format!("the Python start-up task failed: {err}"))
         })??;
-    Ok(PolicyHost::load(Arc::new(worker), loaded).await?)
+    Ok(PolicyHost::load(Arc::new(worker), loaded)
+        .instrument(tracing::info_span!("policy.load"))
+        .await?)
 }
 
 /// `rollout trainer`: one data-parallel rank, answering in order until shut down.
@@ -243,29 +246,38 @@ pub async fn run_trainer(args: RoleArgs) -> Result<(), ClusterError> {
         let call = incoming.call;
         let responder = &server.responder;
         match incoming.frame.kind {
+            // Each request in a span of its own (`--trace`), decoding included.
             MessageKind::TrainRequest => {
-                let request: TrainRequest = incoming
-                    .decode()
+                let span = tracing::info_span!("rpc.train");
+                let request: TrainRequest = span
+                    .in_scope(|| incoming.decode())
                     .map_err(|err| bad_request(&incoming, err))?;
-                answer(responder, call, host.train(request).await);
+                answer(responder, call, host.train(request).instrument(span).await);
             }
             MessageKind::ValuesRequest => {
-                let request: ValuesRequest = incoming
-                    .decode()
+                let span = tracing::info_span!("rpc.values");
+                let request: ValuesRequest = span
+                    .in_scope(|| incoming.decode())
                     .map_err(|err| bad_request(&incoming, err))?;
-                answer(responder, call, host.values(request).await);
+                answer(responder, call, host.values(request).instrument(span).await);
             }
             MessageKind::CheckpointRequest => {
                 let request: CheckpointRequest = incoming
                     .decode()
                     .map_err(|err| bad_request(&incoming, err))?;
-                checkpoint(&host, &mut writes, request, responder, call).await;
+                let span =
+                    tracing::info_span!("rpc.checkpoint", request = checkpoint_kind(&request));
+                checkpoint(&host, &mut writes, request, responder, call)
+                    .instrument(span)
+                    .await;
             }
             MessageKind::PublishWeights => {
                 let request: PublishWeights = incoming
                     .decode()
                     .map_err(|err| bad_request(&incoming, err))?;
-                let published = publish(&host, &store, request, &weights_address, &args.name).await;
+                let published = publish(&host, &store, request, &weights_address, &args.name)
+                    .instrument(tracing::info_span!("rpc.publish_weights"))
+                    .await;
                 answer(responder, call, published);
             }
             MessageKind::Shutdown => {
@@ -280,6 +292,15 @@ pub async fn run_trainer(args: RoleArgs) -> Result<(), ClusterError> {
                 let _ = responder.fail(call, format!("a trainer does not serve {other}"));
             }
         }
+    }
+}
+
+fn checkpoint_kind(request: &CheckpointRequest) -> &'static str {
+    match request {
+        CheckpointRequest::Save { .. } => "save",
+        CheckpointRequest::SaveInBackground { .. } => "save_in_background",
+        CheckpointRequest::Written { .. } => "written",
+        CheckpointRequest::Restore { .. } => "restore",
     }
 }
 
@@ -317,7 +338,8 @@ async fn checkpoint(
                 return;
             };
             let responder = responder.clone();
-            tokio::spawn(async move { answer(&responder, call, written.await.map(|()| Done {})) });
+            let waiting = async move { answer(&responder, call, written.await.map(|()| Done {})) };
+            tokio::spawn(waiting.in_current_span());
             return;
         }
     };

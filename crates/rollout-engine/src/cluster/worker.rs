@@ -18,6 +18,7 @@ use rollout_net::messages::{
 use rollout_net::rpc::RpcServer;
 use tokio::signal::unix::{Signal, SignalKind, signal};
 use tokio::sync::mpsc;
+use tracing::{Instrument, Span};
 
 use super::ClusterError;
 use super::serve::{
@@ -32,13 +33,15 @@ use crate::roles::{Generator, RoleError, Tokenizer};
 const RECONNECT_PAUSE: Duration = Duration::from_secs(1);
 
 /// Work a generation worker does strictly in arrival order: generation, and swapping in
-/// weight versions between generations.
+/// weight versions between generations. Each carries its request's span (`--trace`), which
+/// starts on arrival: its time in the queue is part of it.
 enum Ordered {
-    Generate(u64, GenerateRequest),
+    Generate(u64, GenerateRequest, Span),
     Swap(
         u64,
         tokio::task::JoinHandle<Result<Arc<VersionBuffer>, ClusterError>>,
         WeightsReport,
+        Span,
     ),
 }
 
@@ -147,26 +150,32 @@ impl Serving<'_> {
             let call = incoming.call;
             match incoming.frame.kind {
                 MessageKind::GenerateRequest => {
-                    let request = incoming
+                    let request: GenerateRequest = incoming
                         .decode()
                         .map_err(|err| bad_request(&incoming, err))?;
-                    let _ = ordered.send(Ordered::Generate(call, request));
+                    let span = tracing::info_span!("rpc.generate", prompts = request.prompts.len());
+                    let _ = ordered.send(Ordered::Generate(call, request, span));
                 }
                 MessageKind::SyncWeights => {
                     let SyncWeights { weights } = incoming
                         .decode()
                         .map_err(|err| bad_request(&incoming, err))?;
-                    let pulled = self.pull(weights.clone());
-                    let _ = ordered.send(Ordered::Swap(call, pulled, weights));
+                    let span = tracing::info_span!("rpc.sync_weights", version = weights.version);
+                    let pulled = self.pull(weights.clone(), &span);
+                    let _ = ordered.send(Ordered::Swap(call, pulled, weights, span));
                 }
                 MessageKind::TokenizerRequest => {
                     let request: TokenizerRequest = incoming
                         .decode()
                         .map_err(|err| bad_request(&incoming, err))?;
                     let (host, responder) = (self.host.clone(), server.responder.clone());
-                    tokio::spawn(async move {
-                        answer(&responder, call, tokenize(&host, request).await);
-                    });
+                    let span = tracing::info_span!("rpc.tokenize");
+                    tokio::spawn(
+                        async move {
+                            answer(&responder, call, tokenize(&host, request).await);
+                        }
+                        .instrument(span),
+                    );
                 }
                 MessageKind::Shutdown => {
                     answer(&server.responder, call, Ok(Done {}));
@@ -189,16 +198,21 @@ impl Serving<'_> {
     fn pull(
         &self,
         report: WeightsReport,
+        request: &Span,
     ) -> tokio::task::JoinHandle<Result<Arc<VersionBuffer>, ClusterError>> {
+        let span = tracing::info_span!(parent: request, "weights.pull", bytes = report.bytes);
         let (store, key) = (self.store.clone(), self.args.key.clone());
         let source_hello = hello("worker", self.args, serde_json::Value::Null);
         let limits = self.args.limits.clone();
-        tokio::spawn(async move {
-            let source = Link::connect(&report.source, &key, &source_hello, &limits)
-                .await?
-                .client();
-            Ok(store.pull(&source, &report).await?)
-        })
+        tokio::spawn(
+            async move {
+                let source = Link::connect(&report.source, &key, &source_hello, &limits)
+                    .await?
+                    .client();
+                Ok(store.pull(&source, &report).await?)
+            }
+            .instrument(span),
+        )
     }
 }
 
@@ -216,15 +230,16 @@ async fn execute_in_order(
             break;
         }
         match job {
-            Ordered::Generate(call, request) => {
-                answer(&responder, call, host.generate(request).await);
-            }
-            Ordered::Swap(call, pulled, report) => {
+            Ordered::Generate(call, request, span) => {
                 answer(
                     &responder,
                     call,
-                    swap_in(&host, pulled, report, &name).await,
+                    host.generate(request).instrument(span).await,
                 );
+            }
+            Ordered::Swap(call, pulled, report, span) => {
+                let swapped = swap_in(&host, pulled, report, &name).instrument(span).await;
+                answer(&responder, call, swapped);
             }
         }
     }

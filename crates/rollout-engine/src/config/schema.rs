@@ -86,8 +86,9 @@ impl Default for RunConfig {
 #[derive(Debug, Clone, Default, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PythonConfig {
-    /// A virtual environment directory. Default: `$ROLLOUT_VENV`, then `$VIRTUAL_ENV`, then a
-    /// `.venv` found upwards from the working directory or from the `rollout` executable.
+    /// A virtual environment directory. Default: `$ROLLOUT_VENV`, then the venv the `rollout`
+    /// executable is installed in (`<venv>/bin/rollout`), then `$VIRTUAL_ENV`, then a `.venv`
+    /// found upwards from the working directory or from the `rollout` executable.
     pub venv: Option<PathBuf>,
     /// Extra directories put on `sys.path` (for plugin modules outside the environment).
     pub paths: Vec<PathBuf>,

@@ -69,6 +69,12 @@ pub const NF4_BYTES: f64 = 0.5 + 1.0 / 64.0 + 4.0 / (64.0 * 256.0);
 pub const ADAMW_8BIT_BYTES: f64 = 2.0 + 8.0 / 256.0;
 /// LoRA adapters are float32 whatever the base's dtype (PEFT's `autocast_adapter_dtype`).
 pub const ADAPTER_DTYPE_BYTES: u64 = 4;
+/// PPO's value head is float32 whatever the policy's dtype: a weight, its gradient and two
+/// AdamW moments per parameter.
+pub const VALUE_HEAD_BYTES_PER_PARAMETER: f64 = 16.0;
+/// Float32 elements per token and hidden unit the value head's pass keeps: its input (the
+/// last hidden state, detached and made contiguous), the first layer's output and its tanh.
+pub const VALUE_ACTIVATION_HIDDEN: f64 = 3.0;
 
 /// Parts of a step; each component is alive in some of them and a device's peak is the
 /// largest sum over one phase.
@@ -139,23 +145,26 @@ pub struct PolicyMemory<'a> {
     pub shape: &'a ModelShape,
     pub options: &'a PolicyOptions,
     pub params: ParameterCounts,
-    /// Trainable parameters: every weight, or the LoRA adapters (plus a PPO value head).
+    /// Trainable parameters of the model: every weight, or the LoRA adapters.
     pub trainable: u64,
     /// Bytes per trainable parameter (and its gradient and AdamW moment).
     pub trainable_bytes: u64,
+    /// Parameters of PPO's value head (0 without one); float32 with their own AdamW.
     pub value_head: u64,
 }
 
 impl<'a> PolicyMemory<'a> {
-    pub fn new(shape: &'a ModelShape, options: &'a PolicyOptions, ppo: bool) -> Self {
+    /// `value_head`: the run trains PPO's critic on the policy (`[algorithm] name = "ppo"`).
+    pub fn new(shape: &'a ModelShape, options: &'a PolicyOptions, value_head: bool) -> Self {
         let params = shape.parameters();
-        let value_head = if ppo { shape.hidden_size + 1 } else { 0 };
+        let value_head = if value_head {
+            value_head_parameters(shape.hidden_size)
+        } else {
+            0
+        };
         let (trainable, trainable_bytes) = match &options.lora {
-            Some(lora) => (
-                lora_parameters(shape, lora) + value_head,
-                ADAPTER_DTYPE_BYTES,
-            ),
-            None => (params.total() + value_head, options.dtype.bytes()),
+            Some(lora) => (lora_parameters(shape, lora), ADAPTER_DTYPE_BYTES),
+            None => (params.total(), options.dtype.bytes()),
         };
         PolicyMemory {
             shape,
@@ -172,15 +181,14 @@ impl<'a> PolicyMemory<'a> {
     }
 
     /// Bytes of the weights held on the device: the base (its linear layers quantized if
-    /// asked), the adapters and the value head.
+    /// asked) and the adapters.
     pub fn weights(&self) -> Component {
         let base =
             frozen_weights_bytes(&self.params, self.options.dtype, self.options.quantization);
         let adapters = match &self.options.lora {
-            Some(_) => (self.trainable - self.value_head) * ADAPTER_DTYPE_BYTES,
+            Some(_) => self.trainable * ADAPTER_DTYPE_BYTES,
             None => 0,
         };
-        let head = self.value_head * self.dtype_bytes();
         let mut detail = format!(
             "{} parameters in {}",
             count(self.params.total()),
@@ -196,19 +204,45 @@ impl<'a> PolicyMemory<'a> {
             detail.push_str(&format!(
                 " + LoRA rank {} adapters: {} float32",
                 lora.rank,
-                count(self.trainable - self.value_head)
+                count(self.trainable)
             ));
-        }
-        if self.value_head > 0 {
-            detail.push_str(&format!(" + value head {}", count(self.value_head)));
         }
         component(
             "weights",
             self.options.device,
-            base + adapters as f64 + head as f64,
+            base + adapters as f64,
             Phases::ALL,
             detail,
         )
+    }
+
+    /// PPO's value head: its float32 weights, gradients and AdamW moments (created at the
+    /// first value pass), and what its training pass keeps per token. `None` without one.
+    pub fn value_head(&self, tokens: u64) -> Option<[Component; 2]> {
+        if self.value_head == 0 {
+            return None;
+        }
+        let h = self.shape.hidden_size as f64;
+        let t = tokens as f64;
+        Some([
+            component(
+                "value head",
+                self.options.device,
+                self.value_head as f64 * VALUE_HEAD_BYTES_PER_PARAMETER,
+                Phases::AFTER_LOAD,
+                format!(
+                    "{} float32 parameters with gradients and their own AdamW",
+                    count(self.value_head)
+                ),
+            ),
+            component(
+                "value activations",
+                self.options.device,
+                t * VALUE_ACTIVATION_HIDDEN * h * 4.0,
+                Phases::TRAIN,
+                format!("{tokens} tokens: the detached float32 hidden state, h and tanh(h)"),
+            ),
+        ])
     }
 
     /// Gradients of the trainable parameters (alive from the backward pass to the update).
@@ -345,7 +379,9 @@ impl<'a> PolicyMemory<'a> {
             Optimizer::Adamw => 2 * self.trainable * self.trainable_bytes,
             Optimizer::Adamw8bit => (self.trainable as f64 * ADAMW_8BIT_BYTES) as u64,
         };
-        weights + optimizer
+        // PPO's value head: float32 weights (4 bytes) and AdamW moments (8).
+        let head = self.value_head * (4 + 8);
+        weights + optimizer + head
     }
 }
 
@@ -373,6 +409,13 @@ pub fn logits_bytes(dtype: Dtype) -> f64 {
         Dtype::Float32 => 12.0,
         Dtype::Bfloat16 | Dtype::Float16 => 16.0,
     }
+}
+
+/// Parameters of PPO's value head on a model of `hidden` units, as
+/// `python_plugins/value_head.py` builds it: `Linear(hidden, hidden)`, tanh, `Linear(hidden, 1)`,
+/// with biases (keep in step with that file).
+pub fn value_head_parameters(hidden: u64) -> u64 {
+    hidden * hidden + hidden + hidden + 1
 }
 
 /// Parameters of LoRA adapters of `rank` on every decoder layer's `target_modules`:

@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
-use crate::config::{ConfigError, KeyPath, LoadedConfig};
+use crate::config::{Algorithm, ConfigError, KeyPath, LoadedConfig};
 
 pub use estimate::{Component, Phases, PolicyMemory};
 pub use memory::{cuda_present, host_available_bytes};
@@ -128,13 +128,13 @@ pub fn plan(loaded: &LoadedConfig, mode: Mode, limit_gb: Option<f64>) -> Result<
     let cuda = cuda_present();
     let options = PolicyOptions::read(loaded, cuda)?;
     let shape = read_model(loaded, &options.model_path, "model_path")?;
-    let algorithm = algorithm_name(config);
+    let algorithm = config.algorithm.name;
     let limit = limit_gb
         .or((config.run.memory_limit_gb > 0.0).then_some(config.run.memory_limit_gb))
         .filter(|gb| gb.is_finite() && *gb > 0.0)
         .map(|gb| (gb * 1e9) as u64);
     let host = host_available_bytes();
-    let inputs = gather_inputs(loaded, &options, &shape, &algorithm, cuda, host, limit)?;
+    let inputs = gather_inputs(loaded, &options, &shape, algorithm, cuda, host, limit)?;
     let roles = match mode {
         Mode::Run => roles::in_process(&inputs),
         Mode::Launch { .. } => roles::launch(&inputs),
@@ -166,14 +166,14 @@ pub fn plan(loaded: &LoadedConfig, mode: Mode, limit_gb: Option<f64>) -> Result<
             model_type: shape.model_type.clone(),
             architecture: shape.architecture,
             parameters: inputs.policy.params.total(),
-            trainable_parameters: inputs.policy.trainable,
+            trainable_parameters: inputs.policy.trainable + inputs.policy.value_head,
             dtype: options.dtype,
             device: options.device.to_string(),
             lora_rank: options.lora.as_ref().map_or(0, |l| l.rank),
             quantization: options.quantization,
         },
         workload: Workload::of(config, &shape, inputs.samples, 1),
-        algorithm,
+        algorithm: algorithm_name(algorithm),
         roles: role_plans,
         devices,
         notes,
@@ -185,7 +185,7 @@ fn gather_inputs<'a>(
     loaded: &'a LoadedConfig,
     options: &'a PolicyOptions,
     shape: &'a ModelShape,
-    algorithm: &str,
+    algorithm: Algorithm,
     cuda: bool,
     host: Option<u64>,
     limit: Option<u64>,
@@ -201,12 +201,13 @@ fn gather_inputs<'a>(
     }
     Ok(Inputs {
         config: &loaded.config,
-        policy: PolicyMemory::new(shape, options, algorithm == "ppo"),
+        // PPO trains a value head on the policy (python_plugins/value_head.py).
+        policy: PolicyMemory::new(shape, options, algorithm == Algorithm::Ppo),
         reference: reference(loaded, options, shape, algorithm)?,
         draft,
         reward_models,
-        samples: !matches!(algorithm, "dpo" | "sft"),
-        pairs: algorithm == "dpo",
+        samples: algorithm.samples(),
+        pairs: algorithm == Algorithm::Dpo,
         device_free: match options.device {
             Device::Cpu => host,
             Device::Cuda(_) => limit,
@@ -243,13 +244,12 @@ pub fn check(plan: &Plan) -> Result<(), PlanError> {
     )))
 }
 
-/// The algorithm's name as the config spells it (`[algorithm] name`, "grpo" without one),
-/// read without depending on which algorithms this build knows.
-fn algorithm_name(config: &crate::config::Config) -> String {
-    toml::Value::try_from(&config.algorithm)
+/// The algorithm's name as the config spells it (`[algorithm] name`).
+fn algorithm_name(algorithm: Algorithm) -> String {
+    serde_json::to_value(algorithm)
         .ok()
-        .and_then(|value| value.get("name")?.as_str().map(str::to_owned))
-        .unwrap_or_else(|| "grpo".into())
+        .and_then(|value| value.as_str().map(str::to_owned))
+        .unwrap_or_else(|| format!("{algorithm:?}"))
 }
 
 fn read_model(loaded: &LoadedConfig, dir: &Path, key: &str) -> Result<ModelShape, PlanError> {
@@ -276,9 +276,9 @@ fn reference(
     loaded: &LoadedConfig,
     options: &PolicyOptions,
     shape: &ModelShape,
-    algorithm: &str,
+    algorithm: Algorithm,
 ) -> Result<Option<Option<ExtraModel>>, PlanError> {
-    let needed = loaded.config.algorithm.kl_coef > 0.0 || algorithm == "dpo";
+    let needed = loaded.config.algorithm.kl_coef > 0.0 || algorithm == Algorithm::Dpo;
     if !needed {
         return Ok(None);
     }

@@ -42,6 +42,9 @@ pub struct ModelShape {
     pub qk_norm: bool,
     /// Mixture-of-experts MLPs per layer (Mixtral's `num_local_experts`); 1 is dense.
     pub experts: u64,
+    /// A sequence classifier (`*ForSequenceClassification`, as reward models are): its head
+    /// maps the hidden state to this many labels instead of the vocabulary.
+    pub classifier_labels: Option<u64>,
 }
 
 /// Parameters by part of the model.
@@ -107,11 +110,13 @@ impl ModelShape {
             .or_else(|| root.get("model_type").and_then(Value::as_str))
             .unwrap_or("unknown")
             .to_owned();
-        if model_type == "gpt2" || config.get("n_embd").is_some() {
-            fields.gpt2(model_type)
+        let mut shape = if model_type == "gpt2" || config.get("n_embd").is_some() {
+            fields.gpt2(model_type)?
         } else {
-            fields.llama(model_type)
-        }
+            fields.llama(model_type)?
+        };
+        shape.classifier_labels = classifier_labels(&root);
+        Ok(shape)
     }
 
     /// Parameter counts by the architecture's formulas.
@@ -134,10 +139,11 @@ impl ModelShape {
             layers: layers(per_layer),
             layer_linear_weights: layers(linear_weights),
             final_norm,
-            lm_head: if self.tie_word_embeddings {
-                0
-            } else {
-                self.vocab_size * h
+            lm_head: match self.classifier_labels {
+                // `score`: a linear layer without bias.
+                Some(labels) => labels * h,
+                None if self.tie_word_embeddings => 0,
+                None => self.vocab_size * h,
             },
         }
     }
@@ -206,6 +212,26 @@ impl ModelShape {
     pub fn kv_elements_per_token(&self) -> u64 {
         (2 * self.num_layers * self.num_kv_heads).saturating_mul(self.head_dim)
     }
+}
+
+/// The labels of a `*ForSequenceClassification` model: `num_labels`, else the size of
+/// `id2label`, else transformers' default of 2. `None` for any other architecture.
+fn classifier_labels(root: &Value) -> Option<u64> {
+    let classifier = root
+        .get("architectures")?
+        .as_array()?
+        .iter()
+        .filter_map(Value::as_str)
+        .any(|name| name.ends_with("ForSequenceClassification"));
+    if !classifier {
+        return None;
+    }
+    let labels = root
+        .get("num_labels")
+        .and_then(Value::as_u64)
+        .or_else(|| Some(root.get("id2label")?.as_object()?.len() as u64))
+        .unwrap_or(2);
+    Some(labels.clamp(1, MAX_DIMENSION))
 }
 
 /// The largest size of any dimension believed (larger ones are errors, so that the
@@ -321,6 +347,7 @@ impl Fields<'_> {
                 MAX_EXPERTS,
                 "num_local_experts",
             )?,
+            classifier_labels: None,
             model_type,
         })
     }
@@ -349,6 +376,7 @@ impl Fields<'_> {
             mlp_bias: true,
             qk_norm: false,
             experts: 1,
+            classifier_labels: None,
         })
     }
 }
@@ -449,6 +477,22 @@ mod tests {
             let err = ModelShape::parse(path, text).unwrap_err();
             assert!(err.to_string().contains("m/config.json"), "{err}");
         }
+    }
+
+    #[test]
+    fn a_sequence_classifier_has_a_score_head_not_an_lm_head() {
+        // The demo reward model: hidden 32, 2 layers, MLP 128, one label.
+        let text = r#"{"architectures": ["LlamaForSequenceClassification"],
+            "model_type": "llama", "hidden_size": 32, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 56,
+            "id2label": {"0": "has_7"}, "tie_word_embeddings": false}"#;
+        let shape = parse(text);
+        assert_eq!(shape.classifier_labels, Some(1));
+        let params = shape.parameters();
+        assert_eq!(params.lm_head, 32);
+        // 34,752 parameters, as torch counts them.
+        assert_eq!(params.total(), 34_752);
+        assert_eq!(parse(SMALL_LLAMA).classifier_labels, None);
     }
 
     #[test]

@@ -194,7 +194,9 @@ fn training(inputs: &Inputs<'_>, workload: &Workload, ranks: u64, first: bool) -
     let policy = &inputs.policy;
     let options = policy.options;
     let micro = config.train.micro_batch_tokens as u64;
-    let share = options.share_prompt_prefix && !options.gradient_checkpointing;
+    // The value head needs every position's hidden state: PPO's passes share no prompts.
+    let share =
+        options.share_prompt_prefix && !options.gradient_checkpointing && policy.value_head == 0;
     let mut tokens = if inputs.samples {
         workload.train_tokens(micro, share)
     } else {
@@ -208,6 +210,7 @@ fn training(inputs: &Inputs<'_>, workload: &Workload, ranks: u64, first: bool) -
     let mut parts = vec![policy.gradients()];
     parts.extend(policy.optimizer());
     parts.extend(policy.activations(tokens));
+    parts.extend(policy.value_head(tokens).into_iter().flatten());
     if ranks > 1 {
         parts.push(component(
             "gradient all-reduce",

@@ -33,6 +33,11 @@ impl Setup {
 
     /// A config with `options` spliced into the policy's table and `extra` appended.
     fn load(&self, options: &str, extra: &str) -> LoadedConfig {
+        self.load_with(options, extra, &[])
+    }
+
+    /// The same with `--set` overrides.
+    fn load_with(&self, options: &str, extra: &str, overrides: &[String]) -> LoadedConfig {
         let text = format!(
             "[policy]\nplugin = \"python_plugins.hf_policy:HFCausalLM\"\n\
              options = {{ model_path = \"{}\"{options} }}\n\
@@ -41,7 +46,7 @@ impl Setup {
              [run]\nplan_prompt_tokens = 6\n{extra}",
             self.model().display()
         );
-        crate::config::load_text(Path::new("plan.toml"), text, &[]).unwrap()
+        crate::config::load_text(Path::new("plan.toml"), text, overrides).unwrap()
     }
 
     fn plan(&self, options: &str, extra: &str) -> Plan {
@@ -173,16 +178,70 @@ fn eight_bit_adam_and_offloading() {
 }
 
 #[test]
-fn ppo_value_head_adds_hidden_plus_one_parameters() {
+fn ppo_value_head_is_float32_with_its_own_adamw() {
     let shape = ModelShape::parse(Path::new("config.json"), SMALL).unwrap();
     let setup = Setup::new();
-    let loaded = setup.load("", "");
+    let loaded = setup.load(", dtype = \"bfloat16\", optimizer = \"adamw_8bit\"", "");
     let options = PolicyOptions::read(&loaded, false).unwrap();
     let grpo = PolicyMemory::new(&shape, &options, false);
     let ppo = PolicyMemory::new(&shape, &options, true);
-    assert_eq!(ppo.trainable - grpo.trainable, 513);
-    assert_eq!(ppo.gradients().bytes - grpo.gradients().bytes, 4 * 513);
-    assert_eq!(ppo.weights().bytes - grpo.weights().bytes, 4 * 513);
+    assert!(grpo.value_head(100).is_none());
+    // Linear(512, 512) and Linear(512, 1), with biases.
+    let head = 512 * 512 + 512 + 512 + 1;
+    assert_eq!(ppo.value_head, head);
+    let [weights, activations] = ppo.value_head(100).unwrap();
+    assert_eq!(weights.bytes, 16 * head);
+    assert_eq!(activations.bytes, 100 * 3 * 512 * 4);
+    // The model's own parts do not change.
+    assert_eq!(ppo.weights(), grpo.weights());
+    assert_eq!(ppo.gradients(), grpo.gradients());
+    assert_eq!(ppo.optimizer(), grpo.optimizer());
+    assert_eq!(ppo.snapshot_bytes() - grpo.snapshot_bytes(), 12 * head);
+}
+
+#[test]
+fn the_algorithm_decides_sampling_and_the_reference() {
+    let setup = Setup::new();
+    let grpo = setup.plan("", "");
+    assert_eq!(grpo.algorithm, "grpo");
+    assert!(has(&grpo, "KV cache"));
+    // DPO samples nothing and always compares with the reference; SFT neither.
+    let dpo = setup.plan("", "[algorithm]\nname = \"dpo\"\n");
+    assert_eq!(dpo.algorithm, "dpo");
+    assert!(!has(&dpo, "KV cache"));
+    assert_eq!(part(&dpo, 0, "reference model"), 4 * PARAMS);
+    let sft = setup.plan("", "[algorithm]\nname = \"sft\"\n");
+    assert_eq!(sft.algorithm, "sft");
+    assert!(!has(&sft, "KV cache") && !has(&sft, "reference model"));
+    let reinforce = setup.plan("", "[algorithm]\nname = \"reinforce_pp\"\n");
+    assert_eq!(reinforce.algorithm, "reinforce_pp");
+    assert!(!has(&reinforce, "value head"));
+}
+
+#[test]
+fn ppo_adds_the_value_head_and_shares_no_prompts() {
+    let setup = Setup::new();
+    let head = 512 * 512 + 512 + 512 + 1;
+    let grpo = setup.plan("", "");
+    let ppo = setup.plan("", "[algorithm]\nname = \"ppo\"\n");
+    assert_eq!(ppo.algorithm, "ppo");
+    assert_eq!(ppo.model.trainable_parameters, PARAMS + head);
+    assert_eq!(part(&ppo, 0, "value head"), 16 * head);
+    assert_eq!(part(&ppo, 0, "gradients"), part(&grpo, 0, "gradients"));
+    // 64 rows of 38 tokens, 3 float32 hidden-sized elements each.
+    assert_eq!(part(&ppo, 0, "value activations"), 64 * 38 * 3 * 512 * 4);
+    assert!(!has(&grpo, "value head") && !has(&grpo, "value activations"));
+    // Prompts of 6 tokens before 32 are not worth sharing, so GRPO pads as PPO does; with
+    // prompts of 64 GRPO's pass runs each prompt once, and PPO's (which needs every
+    // position's hidden state) does not.
+    let long = ["run.plan_prompt_tokens=64".to_string()];
+    let grpo = plan(&setup.load_with("", "", &long), Mode::Run, None).unwrap();
+    let ppo = setup.load_with("", "[algorithm]\nname = \"ppo\"\n", &long);
+    let ppo = plan(&ppo, Mode::Run, None).unwrap();
+    assert_eq!(
+        part(&grpo, 0, "activations") * 64 * 96,
+        part(&ppo, 0, "activations") * (8 * 64 + 64 * 32)
+    );
 }
 
 #[test]

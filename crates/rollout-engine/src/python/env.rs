@@ -103,10 +103,16 @@ fn require_venv(path: &Path, source: &str) -> Result<PathBuf, PythonError> {
 }
 
 fn discover_venv() -> Result<Option<PathBuf>, PythonError> {
-    for variable in [VENV_VARIABLE, ACTIVE_VENV_VARIABLE] {
-        if let Some(value) = std::env::var_os(variable).filter(|v| !v.is_empty()) {
-            return require_venv(Path::new(&value), &format!("${variable}")).map(Some);
-        }
+    if let Some(value) = std::env::var_os(VENV_VARIABLE).filter(|v| !v.is_empty()) {
+        return require_venv(Path::new(&value), &format!("${VENV_VARIABLE}")).map(Some);
+    }
+    // `pip install rollout-*.whl` puts the binary in `<venv>/bin`: it belongs to that venv,
+    // which holds rollout_sdk and the built-in plugins, whether or not it is activated.
+    if let Some(venv) = executable_dir().and_then(|dir| installed_venv(&dir)) {
+        return Ok(Some(venv));
+    }
+    if let Some(value) = std::env::var_os(ACTIVE_VENV_VARIABLE).filter(|v| !v.is_empty()) {
+        return require_venv(Path::new(&value), &format!("${ACTIVE_VENV_VARIABLE}")).map(Some);
     }
     let starts = [std::env::current_dir().ok(), executable_dir()];
     Ok(starts
@@ -114,6 +120,12 @@ fn discover_venv() -> Result<Option<PathBuf>, PythonError> {
         .flatten()
         .find_map(|start| find_upwards(&start, |dir| dir.join(".venv/pyvenv.cfg").is_file()))
         .map(|dir| dir.join(".venv")))
+}
+
+/// The virtual environment whose `bin` directory is `exe_dir`, if it is one.
+fn installed_venv(exe_dir: &Path) -> Option<PathBuf> {
+    let venv = exe_dir.parent()?;
+    (exe_dir.file_name()? == "bin" && venv.join("pyvenv.cfg").is_file()).then(|| venv.to_path_buf())
 }
 
 /// `$ROLLOUT_HOME`, else the nearest directory above the executable (or the working
@@ -142,4 +154,24 @@ fn find_upwards(start: &Path, found: impl Fn(&Path) -> bool) -> Option<PathBuf> 
         .ancestors()
         .find(|dir| found(dir))
         .map(Path::to_path_buf)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    #[test]
+    fn a_binary_in_the_bin_directory_of_a_venv_belongs_to_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let venv = dir.path().join("env");
+        std::fs::create_dir_all(venv.join("bin")).unwrap();
+        assert_eq!(installed_venv(&venv.join("bin")), None, "no pyvenv.cfg yet");
+        std::fs::write(venv.join("pyvenv.cfg"), "home = /usr/bin\n").unwrap();
+        assert_eq!(installed_venv(&venv.join("bin")), Some(venv.clone()));
+        // A development build (target/release/rollout) is in no venv.
+        std::fs::create_dir_all(venv.join("release")).unwrap();
+        assert_eq!(installed_venv(&venv.join("release")), None);
+    }
 }

@@ -31,6 +31,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use serde_json::{Value, json};
+use tracing::Instrument;
 
 use crate::config::Config;
 use crate::plugins::Record;
@@ -294,14 +295,22 @@ impl<'a> Controller<'a> {
                 positions.insert(next_step, position);
                 let seed = mix(self.config.run.seed, 1000 + next_step);
                 let (sampler, step) = (&sampler, next_step);
+                // A step's span runs from the start of its sampling (with staleness, while
+                // earlier steps train) to the end of its update.
+                let span = tracing::info_span!(parent: None, "step", step);
+                let sampling = tracing::info_span!(parent: &span, "sample", step);
                 pipeline.start(async move {
-                    let collected = sampler.collect(step, &records, seed).await;
+                    let collected = sampler
+                        .collect(step, &records, seed)
+                        .instrument(sampling)
+                        .await;
                     let records = collected.as_ref().map_or(records, |c| c.records.clone());
                     StepSamples {
                         step,
                         epoch: position.epoch,
                         records,
                         collected,
+                        span,
                     }
                 });
                 next_step += 1;
@@ -310,9 +319,18 @@ impl<'a> Controller<'a> {
                 break;
             };
             let step = sampled.step;
-            let (mut line, logged) = self.rl_step(sampled, &mut pipeline, last_step_end).await?;
+            let span = sampled.span.clone();
+            let (mut line, logged) = self
+                .rl_step(sampled, &mut pipeline, last_step_end)
+                .instrument(span.clone())
+                .await?;
             last_step_end = Instant::now();
-            let pool = self.roles.generator.step_trained(step).await?;
+            let pool = self
+                .roles
+                .generator
+                .step_trained(step)
+                .instrument(span.clone())
+                .await?;
             if let Some(fields) = line.as_object_mut() {
                 fields.extend(pool.into_iter().map(|(name, value)| (name, json!(value))));
                 fields.insert(
@@ -337,11 +355,15 @@ impl<'a> Controller<'a> {
             metrics
                 .append(&line)
                 .map_err(|source| io_error("cannot write", metrics.path(), source))?;
-            self.roles.observer.step_ended(step, line).await;
-            self.reap_checkpoint().await?;
+            self.roles
+                .observer
+                .step_ended(step, line)
+                .instrument(span.clone())
+                .await;
+            self.reap_checkpoint().instrument(span.clone()).await?;
             let every = self.config.checkpoint.every;
             if every > 0 && step % every == 0 {
-                self.checkpoint().await?;
+                self.checkpoint().instrument(span).await?;
             }
         }
         Ok(pipeline.finish_loading().await?)
@@ -370,12 +392,21 @@ impl<'a> Controller<'a> {
         if !self.roles.learner.needs_weight_sync() {
             return Ok(());
         }
+        let span = tracing::info_span!("weights.sync");
         let published = self
             .roles
             .learner
             .publish_weights(self.config.cluster.weight_bucket_bytes)
+            .instrument(tracing::info_span!(parent: &span, "weights.publish"))
             .await?;
-        let served = self.roles.generator.load_weights(published.clone()).await?;
+        let served = self
+            .roles
+            .generator
+            .load_weights(published.clone())
+            .instrument(
+                tracing::info_span!(parent: &span, "weights.load", version = published.version),
+            )
+            .await?;
         tracing::info!(
             "generators serve weight version {} (checksum {}, {} workers)",
             published.version,
@@ -455,6 +486,7 @@ impl<'a> Controller<'a> {
         self.roles
             .learner
             .restore(checkpoint.policy_dir(), checkpoint.state.weight_version)
+            .instrument(tracing::info_span!("resume", step = checkpoint.state.step))
             .await?;
         tracing::info!(
             "resumed from {} (step {}, weight version {})",
@@ -471,6 +503,11 @@ impl<'a> Controller<'a> {
     /// state and training goes on while the files are written and committed; the previous
     /// background checkpoint is waited for first, so at most one is in flight.
     async fn checkpoint(&mut self) -> Result<(), RunError> {
+        let span = tracing::info_span!("checkpoint", step = self.state.step);
+        self.checkpoint_now().instrument(span).await
+    }
+
+    async fn checkpoint_now(&mut self) -> Result<(), RunError> {
         self.checkpoint_settled().await?;
         let started = Instant::now();
         let step = self.state.step;
@@ -488,13 +525,20 @@ impl<'a> Controller<'a> {
             .save_in_background(pending.policy_dir())
             .await?;
         let (store, state) = (self.store.clone(), self.state.clone());
-        let commit = tokio::spawn(async move {
-            written.await?;
-            tokio::task::spawn_blocking(move || store.commit(pending, &state))
-                .await
-                .map_err(|err| RoleError::Runtime(format!("the checkpoint commit stopped: {err}")))?
-                .map_err(RunError::from)
-        });
+        // Its own top-level span: the write goes on while later steps train.
+        let writing = tracing::info_span!(parent: None, "checkpoint.write", step);
+        let commit = tokio::spawn(
+            async move {
+                written.await?;
+                tokio::task::spawn_blocking(move || store.commit(pending, &state))
+                    .await
+                    .map_err(|err| {
+                        RoleError::Runtime(format!("the checkpoint commit stopped: {err}"))
+                    })?
+                    .map_err(RunError::from)
+            }
+            .instrument(writing),
+        );
         self.checkpoint_times.blocked_seconds += started.elapsed().as_secs_f64();
         self.writing = Some(CheckpointWrite {
             step,

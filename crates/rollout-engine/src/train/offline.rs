@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use rollout_net::messages::{Objective, TrainRequest};
 use serde_json::{Map, Value, json};
+use tracing::Instrument;
 
 use super::batch::{PackingStats, pair_micro_batches};
 use super::{
@@ -65,6 +66,7 @@ impl Controller<'_> {
                 }
             };
             let learning_rate = self.learning_rate(self.state.weight_version);
+            let span = tracing::info_span!("step", step = self.state.step + 1);
             let response = self
                 .roles
                 .learner
@@ -73,6 +75,7 @@ impl Controller<'_> {
                     learning_rate,
                     epochs: 1,
                 })
+                .instrument(tracing::info_span!(parent: &span, "train"))
                 .await?;
             self.state.step += 1;
             self.state.data = cursor.position();
@@ -92,11 +95,15 @@ impl Controller<'_> {
             metrics
                 .append(&line)
                 .map_err(|source| io_error("cannot write", metrics.path(), source))?;
-            self.roles.observer.step_ended(self.state.step, line).await;
-            self.reap_checkpoint().await?;
+            self.roles
+                .observer
+                .step_ended(self.state.step, line)
+                .instrument(span.clone())
+                .await;
+            self.reap_checkpoint().instrument(span.clone()).await?;
             let every = self.config.checkpoint.every;
             if every > 0 && self.state.step % every == 0 {
-                self.checkpoint().await?;
+                self.checkpoint().instrument(span).await?;
             }
         }
         Ok(())

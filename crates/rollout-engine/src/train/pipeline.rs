@@ -25,6 +25,8 @@ pub(super) struct StepSamples {
     pub epoch: u64,
     pub records: Vec<usize>,
     pub collected: Result<Collected, RunError>,
+    /// The step's span (`--trace`): from the start of its sampling to the end of its update.
+    pub span: tracing::Span,
 }
 
 type Sampling<'s> = Pin<Box<dyn Future<Output = StepSamples> + Send + 's>>;

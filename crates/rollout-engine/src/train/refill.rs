@@ -3,6 +3,8 @@
 //! to `algorithm.dynamic_sampling_rounds` further generation rounds; what is still flat
 //! after the last round is trained as usual (contributing nothing without a KL term).
 
+use tracing::Instrument;
+
 use super::RunError;
 use super::sampler::{Collected, Sampler, Trajectory};
 use crate::generation::merge_metrics;
@@ -27,6 +29,7 @@ impl Sampler<'_> {
             let round_seed = super::mix(seed, u64::from(round));
             let more = self
                 .collect_groups(step, records, next_group, round_seed)
+                .instrument(tracing::info_span!("refill", step, round, groups = count))
                 .await?;
             collected.replace_groups(&flat[..count], more);
             collected.refilled_groups += count;

@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use rollout_net::messages::{KlPenalty, MicroBatch, Objective, TrainRequest, ValuesRequest};
 use serde_json::Value;
+use tracing::Instrument;
 
 use super::pipeline::{Pipeline, StepSamples};
 use super::sampler::{Collected, Trajectory};
@@ -72,6 +73,7 @@ impl<'a> Controller<'a> {
             epoch,
             records,
             collected,
+            ..
         } = samples;
         let collected = collected?;
         let trained_version = self.state.weight_version;
@@ -80,17 +82,23 @@ impl<'a> Controller<'a> {
         let training = Instant::now();
         let (batches, packing) = self.micro_batches(step, &collected, pipeline).await?;
         let learning_rate = self.learning_rate(self.state.weight_version);
+        let training_span = tracing::info_span!("train", step, micro_batches = batches.len());
         let response = pipeline
-            .while_running(self.roles.learner.train(TrainRequest {
-                micro_batches: batches,
-                learning_rate,
-                epochs: self.config.algorithm.epochs,
-            }))
+            .while_running(
+                self.roles
+                    .learner
+                    .train(TrainRequest {
+                        micro_batches: batches,
+                        learning_rate,
+                        epochs: self.config.algorithm.epochs,
+                    })
+                    .instrument(training_span),
+            )
             .await??;
         self.state.weight_version = response.weight_version;
         let train_seconds = training.elapsed().as_secs_f64();
         let sync_started = Instant::now();
-        self.send_weights(pipeline).await?;
+        self.send_weights(step, pipeline).await?;
         let weight_sync_seconds = sync_started.elapsed().as_secs_f64();
 
         let report = StepReport {
@@ -171,7 +179,12 @@ impl<'a> Controller<'a> {
                 micro_batches: batches.clone(),
             };
             let values = pipeline
-                .while_running(self.roles.learner.values(request))
+                .while_running(
+                    self.roles
+                        .learner
+                        .values(request)
+                        .instrument(tracing::info_span!("values", step)),
+                )
                 .await??;
             ppo::attach_targets(&mut batches, values.values, algorithm)
                 .map_err(|err| RoleError::Protocol(format!("the value head: {err}")))?;
@@ -181,7 +194,7 @@ impl<'a> Controller<'a> {
 
     /// Sends the learner's new weights to generators that hold their own; with no
     /// staleness allowed, waits until they serve them.
-    async fn send_weights<'s>(&self, pipeline: &mut Pipeline<'s>) -> Result<(), RunError>
+    async fn send_weights<'s>(&self, step: u64, pipeline: &mut Pipeline<'s>) -> Result<(), RunError>
     where
         'a: 's,
     {
@@ -195,10 +208,19 @@ impl<'a> Controller<'a> {
             .while_running(
                 self.roles
                     .learner
-                    .publish_weights(self.config.cluster.weight_bucket_bytes),
+                    .publish_weights(self.config.cluster.weight_bucket_bytes)
+                    .instrument(tracing::info_span!("weights.publish", step)),
             )
             .await??;
-        pipeline.load(self.roles.generator.load_weights(published));
+        // Its own top-level span: with staleness, the load goes on into later steps.
+        let loading =
+            tracing::info_span!(parent: None, "weights.load", step, version = published.version);
+        pipeline.load(
+            self.roles
+                .generator
+                .load_weights(published)
+                .instrument(loading),
+        );
         if self.max_staleness() == 0 {
             pipeline.finish_loading().await?;
         }

@@ -14,6 +14,7 @@ use rollout_net::messages::{
     SamplingParams, ScoreFailure, ScoreRequest, ScoreResponse, ScoreSample,
 };
 use serde_json::Value;
+use tracing::Instrument;
 
 use super::advantage::scored_group_advantages;
 use super::{Roles, RunError, mix};
@@ -150,10 +151,16 @@ impl<'a> Sampler<'a> {
         seed: u64,
     ) -> Result<Collected, RunError> {
         let started = Instant::now();
+        let generating = tracing::info_span!("generate", step, groups = records.len());
         let (trajectories, generator_metrics) = match self.roles.environments {
-            Some(environments) => self.run_episodes(environments, step, records, seed).await?,
+            Some(environments) => {
+                self.run_episodes(environments, step, records, seed)
+                    .instrument(generating)
+                    .await?
+            }
             None => {
                 self.sample_completions(step, records, first_group, seed)
+                    .instrument(generating)
                     .await?
             }
         };
@@ -167,7 +174,14 @@ impl<'a> Sampler<'a> {
                 components,
                 failures,
             },
-        ) = self.score(&trajectories).await?;
+        ) = self
+            .score(&trajectories)
+            .instrument(tracing::info_span!(
+                "score",
+                step,
+                samples = trajectories.len()
+            ))
+            .await?;
         let rewards: Vec<f64> = trajectories
             .iter()
             .zip(&totals)

@@ -5,6 +5,7 @@ use std::time::Instant;
 
 use rollout_net::messages::{Objective, TrainRequest};
 use serde_json::{Map, Value, json};
+use tracing::Instrument;
 
 use super::offline::supervised_sequence;
 use super::{
@@ -54,6 +55,10 @@ impl Controller<'_> {
                     learning_rate: sft.learning_rate,
                     epochs: 1,
                 })
+                .instrument(tracing::info_span!(
+                    "sft.step",
+                    step = self.state.sft_step + 1
+                ))
                 .await?;
             self.state.sft_step += 1;
             self.state.sft_data = cursor.position();

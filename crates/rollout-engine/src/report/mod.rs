@@ -1,0 +1,167 @@
+//! `rollout report RUN_DIR...`: one self-contained HTML page (inline CSS and SVG, no scripts)
+//! with the curves of one or more runs' `metrics.jsonl` (reward, loss, KL, completion
+//! length, throughput) and where their time went; several runs are overlaid, one colour each.
+//! See docs/integrations.md.
+
+mod charts;
+mod html;
+mod line;
+mod load;
+mod phases;
+mod scale;
+mod summary;
+mod svg;
+#[cfg(test)]
+mod tests;
+
+use std::path::{Path, PathBuf};
+
+pub use load::{Metrics, Run, Summary, load_run, load_runs, parse_metrics};
+pub use summary::RunFigures;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReportError {
+    #[error(
+        "cannot read {}: each RUN_DIR must be a run's output directory (its `[run] output_dir`)",
+        path.display()
+    )]
+    Metrics {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{}:{line}: {message}", path.display())]
+    BadLine {
+        path: PathBuf,
+        line: usize,
+        message: String,
+    },
+    #[error("cannot read {}", path.display())]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{}: {message}", path.display())]
+    BadFile { path: PathBuf, message: String },
+    #[error("cannot write {}", path.display())]
+    Write {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("none of the runs has logged a step yet ({})", paths.join(", "))]
+    NoSteps { paths: Vec<String> },
+    #[error("--smooth must be at least 0 and below 1, not {0}")]
+    Smoothing(f64),
+    #[error("no run directory given")]
+    NoRuns,
+}
+
+/// What `rollout report` was asked for.
+#[derive(Debug, Clone, Default)]
+pub struct Options {
+    pub run_dirs: Vec<PathBuf>,
+    /// The page; default `report.html` in the first run directory.
+    pub output: Option<PathBuf>,
+    /// Weight of the exponential moving average drawn over each line, in `[0, 1)`; 0: none.
+    pub smoothing: f64,
+}
+
+/// What `write` wrote.
+#[derive(Debug, Clone)]
+pub struct Written {
+    pub html: PathBuf,
+    pub runs: usize,
+    /// The ids of the charts, in the page's order.
+    pub charts: Vec<String>,
+}
+
+/// A rendered report: the page, and each chart on its own (`(id, <svg>)`).
+#[derive(Debug, Clone)]
+pub struct Report {
+    pub html: String,
+    pub charts: Vec<(String, String)>,
+}
+
+/// Reads the runs, renders the page and writes it (atomically: a reader never sees half).
+pub fn write(options: &Options) -> Result<Written, ReportError> {
+    if !(0.0..1.0).contains(&options.smoothing) {
+        return Err(ReportError::Smoothing(options.smoothing));
+    }
+    let first = options.run_dirs.first().ok_or(ReportError::NoRuns)?;
+    let runs = load_runs(&options.run_dirs)?;
+    if runs.iter().all(|run| run.steps.is_empty()) {
+        return Err(ReportError::NoSteps {
+            paths: runs.iter().map(|r| r.dir.display().to_string()).collect(),
+        });
+    }
+    let report = render(&runs, options.smoothing);
+    let path = options
+        .output
+        .clone()
+        .unwrap_or_else(|| first.join("report.html"));
+    write_atomically(&path, report.html.as_bytes())?;
+    Ok(Written {
+        html: path,
+        runs: runs.len(),
+        charts: report.charts.into_iter().map(|(id, _)| id).collect(),
+    })
+}
+
+/// The page for `runs`, with lines smoothed by `smoothing` (0: none).
+pub fn render(runs: &[Run], smoothing: f64) -> Report {
+    let mut charts: Vec<(String, String)> = charts::line_charts(runs, smoothing)
+        .iter()
+        .map(|chart| (chart.id.clone(), chart.render()))
+        .collect();
+    let line_count = charts.len();
+    for (index, run) in runs.iter().enumerate() {
+        let id = format!("phases-{}", index + 1);
+        let title = if runs.len() == 1 {
+            "Step time by phase".to_owned()
+        } else {
+            format!("Step time by phase: {}", run.name)
+        };
+        if let Some(svg) = phases::stacked_chart(run, &id, &title) {
+            charts.push((id, svg));
+        }
+    }
+    let svgs: Vec<String> = charts.iter().map(|(_, svg)| svg.clone()).collect();
+    let (lines, phase_charts) = svgs.split_at(line_count);
+    let html = html::Page {
+        runs,
+        charts: lines,
+        phase_charts,
+    }
+    .render();
+    Report { html, charts }
+}
+
+fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), ReportError> {
+    let error = |source| ReportError::Write {
+        path: path.to_path_buf(),
+        source,
+    };
+    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(parent).map_err(error)?;
+    }
+    let mut temporary = path.as_os_str().to_owned();
+    temporary.push(".tmp");
+    let temporary = PathBuf::from(temporary);
+    std::fs::write(&temporary, bytes).map_err(error)?;
+    std::fs::rename(&temporary, path).map_err(error)
+}
+
+/// `text` with the characters that mean something in HTML and XML escaped.
+pub fn escape(text: &str) -> String {
+    let mut escaped = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '&' => escaped.push_str("&amp;"),
+            '<' => escaped.push_str("&lt;"),
+            '>' => escaped.push_str("&gt;"),
+            '"' => escaped.push_str("&quot;"),
+            '\'' => escaped.push_str("&#39;"),
+            c => escaped.push(c),
+        }
+    }
+    escaped
+}
