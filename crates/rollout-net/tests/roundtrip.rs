@@ -241,6 +241,38 @@ fn samples() -> Vec<Frame> {
             },
             Bytes::new(),
         ),
+        Frame::from_message(
+            &ValuesRequest {
+                micro_batches: vec![MicroBatch {
+                    rows: 1,
+                    width: 2,
+                    input_ids: vec![1, 2],
+                    attention_mask: vec![1, 1],
+                    loss_mask: vec![0.0, 1.0],
+                    advantages: vec![0.0, 0.5],
+                    old_logprobs: vec![0.0, -0.1],
+                    loss_scale: 1.0,
+                    objective: Objective::Ppo {
+                        clip_low: 0.2,
+                        clip_high: 0.2,
+                        kl_coef: 0.0,
+                        temperature: 1.0,
+                        value_clip: 0.2,
+                        value_coef: 0.5,
+                        train_policy: true,
+                    },
+                    returns: vec![0.0, 1.0],
+                    old_values: vec![0.0, 0.25],
+                }],
+            },
+            Bytes::new(),
+        ),
+        Frame::from_message(
+            &ValuesResponse {
+                values: vec![vec![0.0, 0.25]],
+            },
+            Bytes::new(),
+        ),
     ];
     frames.into_iter().map(Result::unwrap).collect()
 }

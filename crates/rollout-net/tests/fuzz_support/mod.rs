@@ -427,6 +427,13 @@ fn work_seeds() -> Vec<Seed> {
         "kl_coef": 0.0, "temperature": 1.0}});
     let train = json!({"micro_batches": [batch], "learning_rate": 1e-6});
     let trained = json!({"metrics": {"loss": 0.25}, "weight_version": 4});
+    let ppo_batch = json!({"rows": 1, "width": 2, "input_ids": [1, 2], "attention_mask": [1, 1],
+        "loss_mask": [0.0, 1.0], "advantages": [0.0, 0.5], "old_logprobs": [0.0, -0.1],
+        "loss_scale": 1.0, "returns": [0.0, 1.0], "old_values": [0.0, 0.25],
+        "objective": {"name": "ppo", "clip_low": 0.2, "clip_high": 0.2, "kl_coef": 0.0,
+        "temperature": 1.0, "value_clip": 0.2, "value_coef": 0.5, "train_policy": true}});
+    let values = json!({"micro_batches": [ppo_batch]});
+    let valued = json!({"values": [[0.0, 0.25]]});
     [
         (K::GenerateRequest, generate),
         (K::GenerateResponse, generated),
@@ -434,6 +441,8 @@ fn work_seeds() -> Vec<Seed> {
         (K::ScoreResponse, scored),
         (K::TrainRequest, train),
         (K::TrainResponse, trained),
+        (K::ValuesRequest, values),
+        (K::ValuesResponse, valued),
     ]
     .into_iter()
     .map(|(kind, header)| (kind, header, Bytes::new()))
@@ -725,6 +734,8 @@ pub fn decode_frame(frame: &Frame) -> usize {
             usize::from(bucket.tensors.tensor_bytes(payload).is_ok())
         }),
         K::Shutdown => parse::<Shutdown>(frame, none),
+        K::ValuesRequest => parse::<ValuesRequest>(frame, none),
+        K::ValuesResponse => parse::<ValuesResponse>(frame, none),
         // A kind added since: at least its JSON is parsed.
         #[allow(unreachable_patterns)]
         _ => usize::from(frame.decode_header::<serde_json::Value>().is_ok()),
