@@ -5,31 +5,10 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../..")
-        .canonicalize()
-        .unwrap()
-}
+mod common;
 
-fn rollout(args: &[&str], cwd: &Path) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_rollout"))
-        .args(args)
-        .current_dir(cwd)
-        .env_remove("ROLLOUT_LOG")
-        .output()
-        .expect("the rollout binary runs")
-}
-
-fn stderr(output: &Output) -> String {
-    String::from_utf8_lossy(&output.stderr).into_owned()
-}
-
-fn stdout(output: &Output) -> String {
-    String::from_utf8_lossy(&output.stdout).into_owned()
-}
+use common::{repo, rollout, stderr, stdout};
 
 /// The quickstart's model shape (hidden 256, 4 layers): only its config.json is needed.
 const MODEL: &str = r#"{"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 4,

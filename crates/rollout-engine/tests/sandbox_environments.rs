@@ -6,27 +6,10 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../..")
-        .canonicalize()
-        .unwrap()
-}
+mod common;
 
-fn rollout(args: &[&str], cwd: &Path) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_rollout"))
-        .args(args)
-        .current_dir(cwd)
-        .env_remove("ROLLOUT_LOG")
-        .output()
-        .expect("the rollout binary runs")
-}
-
-fn stderr(output: &Output) -> String {
-    String::from_utf8_lossy(&output.stderr).into_owned()
-}
+use common::{repo, rollout, stderr};
 
 /// A toy-policy run whose `[environment]` table is `environment`, then `[sandbox]` with
 /// `sandbox` (line 24 is the first of `environment`, line 29 the first of `sandbox`).
