@@ -29,6 +29,7 @@ __all__ = [
     "TensorBoardTracker",
     "WandbTracker",
     "markdown_table",
+    "sample_columns",
     "scalar_metrics",
 ]
 
@@ -147,8 +148,9 @@ class WandbTracker(_Tracker):
             raise RuntimeError("WandbTracker.on_step_end before on_run_start")
         row: dict[str, Any] = dict(scalars)
         if samples is not None:
-            rows = [[sample.get(column) for column in SAMPLE_COLUMNS] for sample in samples]
-            row["samples"] = self.wandb.Table(columns=list(SAMPLE_COLUMNS), data=rows)
+            columns = sample_columns(samples)
+            rows = [[sample.get(column) for column in columns] for sample in samples]
+            row["samples"] = self.wandb.Table(columns=list(columns), data=rows)
         self.run.log(row, step=step)
 
     def on_run_end(self, summary: Mapping[str, Any]) -> None:
@@ -272,11 +274,17 @@ def scalar_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
     }
 
 
+def sample_columns(samples: list[dict[str, Any]]) -> tuple[str, ...]:
+    """The ``SAMPLE_COLUMNS``, with ``agent`` first in a multi-agent run's samples."""
+    return ("agent", *SAMPLE_COLUMNS) if any("agent" in s for s in samples) else SAMPLE_COLUMNS
+
+
 def markdown_table(samples: list[dict[str, Any]]) -> str:
-    """The samples as a Markdown table with the ``SAMPLE_COLUMNS`` (TensorBoard renders it)."""
-    lines = ["| " + " | ".join(SAMPLE_COLUMNS) + " |", "|" + "---|" * len(SAMPLE_COLUMNS)]
+    """The samples as a Markdown table of their ``sample_columns`` (TensorBoard renders it)."""
+    columns = sample_columns(samples)
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for sample in samples:
-        cells = [_cell(sample.get(column)) for column in SAMPLE_COLUMNS]
+        cells = [_cell(sample.get(column)) for column in columns]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

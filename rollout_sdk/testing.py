@@ -22,6 +22,7 @@ import numpy as np
 
 from rollout_sdk.data import DataSource, Pipeline, Record, Transform
 from rollout_sdk.environment import Environment, StepResult
+from rollout_sdk.multi_agent import AgentTurn, JointStepResult, MultiAgentEnvironment
 from rollout_sdk.plugin import load_plugin
 from rollout_sdk.policy import Policy
 from rollout_sdk.reward import Reward
@@ -40,6 +41,7 @@ __all__ = [
     "PluginCheckError",
     "check_data_source",
     "check_environment",
+    "check_multi_agent_environment",
     "check_policy",
     "check_reward",
     "load_plugin",
@@ -102,6 +104,45 @@ def check_environment(
     first, second = play(), play()
     _require(first == second, "two episodes with the same seed and actions differ")
     return first[1]
+
+
+def check_multi_agent_environment(
+    make_env: Callable[[], MultiAgentEnvironment],
+    record: Record,
+    actions: Sequence[str],
+    *,
+    seed: int = 0,
+) -> list[tuple[AgentTurn, JointStepResult]]:
+    """Play ``actions`` (one per turn, whoever acts) in two fresh episodes with the same seed;
+    require turns of declared agents, finite rewards to declared agents and identical
+    episodes. Returns each turn with the environment's answer."""
+
+    def play() -> list[tuple[AgentTurn, JointStepResult]]:
+        env = make_env()
+        agents = set(type(env).agents)
+        _require(bool(agents), f"{type(env).__name__}.agents names no agent")
+        turn: AgentTurn | None = env.reset(record, seed=seed)
+        played = []
+        for action in actions:
+            if turn is None:
+                break
+            _require(isinstance(turn, AgentTurn), "reset and next_turn must be AgentTurn (or None)")
+            _require(
+                turn.agent in agents, f"turn of undeclared agent {turn.agent!r} (agents: {sorted(agents)})"
+            )
+            _require(isinstance(turn.prompt, str), "an AgentTurn's prompt must be a string")
+            result = env.step(action)
+            _require(isinstance(result, JointStepResult), "step must return a JointStepResult")
+            for agent, reward in result.rewards.items():
+                _require(agent in agents, f"reward for undeclared agent {agent!r}")
+                _require(math.isfinite(reward), f"step returned a non-finite reward {reward} for {agent!r}")
+            played.append((turn, result))
+            turn = result.next_turn
+        return played
+
+    first, second = play(), play()
+    _require(first == second, "two episodes with the same seed and actions differ")
+    return first
 
 
 def check_policy(

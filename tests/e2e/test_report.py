@@ -1,5 +1,6 @@
-"""End to end: `rollout report` draws two real runs into one self-contained HTML page, and a
-headless Chromium renders it (skipped where Chromium is not installed)."""
+"""End to end: `rollout report` draws two real runs into one self-contained HTML page, with
+`--png` each chart as a PNG too, and a headless Chromium renders the page (skipped where
+Chromium is not installed)."""
 
 from __future__ import annotations
 
@@ -75,6 +76,41 @@ def test_report_overlays_the_runs_in_a_self_contained_page(tmp_path: Path, runs:
     summary = re.search(r'<table class="summary">(.*?)</table>', html, re.S)
     assert summary and all(name in summary.group(1) for name in RUN_NAMES)
     assert "3 / 3" in summary.group(1), "steps logged / planned"
+
+
+def svg_size(svg: str) -> tuple[int, int]:
+    width, height = re.search(r'<svg[^>]* width="([\d.]+)" height="([\d.]+)"', svg).groups()
+    return round(float(width)), round(float(height))
+
+
+def test_png_charts_beside_the_page_and_in_a_directory(tmp_path: Path, runs: list[Path]) -> None:
+    image_module = pytest.importorskip("PIL.Image")
+    output = tmp_path / "R.html"
+    result = report(*runs, "--output", output, "--png")
+    charts = svgs(output.read_text())
+    folder = tmp_path / "R_files"
+    assert f"{len(charts)} PNG charts: {folder}" in result.stdout
+    assert sorted(path.name for path in folder.iterdir()) == sorted(f"{chart}.png" for chart in charts)
+    for chart, svg in charts.items():
+        data = (folder / f"{chart}.png").read_bytes()
+        assert data.startswith(b"\x89PNG\r\n\x1a\n"), chart
+        image = image_module.open(folder / f"{chart}.png")
+        image.load()  # decodes every row: a truncated or corrupt file raises here
+        width, height = svg_size(svg)
+        assert image.size == (2 * width, 2 * height), chart
+        pixels = np.asarray(image.convert("RGB")).astype(np.int16)
+        colours = np.unique(pixels.reshape(-1, 3), axis=0)
+        assert len(colours) > 50, f"{chart}: only {len(colours)} colours"
+        white = (pixels.min(axis=2) > 250).mean()
+        assert 0.5 < white < 0.99, f"{chart}: {white:.1%} white"
+        if chart in LINE_CHARTS:
+            for colour in RUN_COLOURS:
+                near = (np.abs(pixels - np.array(colour)).max(axis=2) < 8).sum()
+                assert near > 500, f"{chart}: the run colour {colour} covers only {near} pixels"
+    elsewhere = tmp_path / "pngs"
+    report(runs[0], "--output", tmp_path / "one.html", "--png-dir", elsewhere)
+    assert (elsewhere / "reward.png").is_file()
+    assert not (tmp_path / "one_files").exists()
 
 
 def test_default_output_smoothing_and_a_partial_line(tmp_path: Path, runs: list[Path]) -> None:

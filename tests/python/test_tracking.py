@@ -348,3 +348,15 @@ def test_wandb_disabled_by_option_or_environment_writes_nothing(
 def test_bad_options_are_config_errors(spec: str, options: dict, message: str):
     with pytest.raises(ConfigError, match=message):
         load_plugin(f"python_plugins.tracking:{spec}", options)
+
+
+def test_a_multi_agent_runs_sample_table_names_the_agent() -> None:
+    samples = [
+        {"step": 1, "agent": "solver", "prompt": "3+4=", "completion": "7", "reward": 1.0, "advantage": 0.5},
+        {"step": 1, "agent": "proposer", "prompt": "sum: ", "completion": "3+4", "reward": 1.25, "advantage": -0.5},
+    ]
+    header, _, first, second = markdown_table(samples).splitlines()
+    assert header == "| agent | " + " | ".join(SAMPLE_COLUMNS) + " |"
+    assert first.startswith("| solver | 1 | 3+4= | 7 |")
+    assert second.startswith("| proposer |")
+    assert "agent" not in markdown_table([{k: v for k, v in s.items() if k != "agent"} for s in samples])

@@ -16,17 +16,19 @@ use rollout_net::tensor::TensorMeta;
 use tracing::Instrument;
 
 use crate::cluster::weights::{TensorBytes, VersionBuffer};
-use crate::config::{ClusterConfig, LoadedConfig};
+use crate::config::{ClusterConfig, KeyPath, LoadedConfig, PluginConfig};
 use crate::environments::EpisodeHost;
 use crate::generation::PagedGenerator;
+use crate::joint_episodes::JointEpisodes;
 use crate::plugins::{
-    CallbackSet, DataPlugins, EnvironmentPlugin, PluginError, PluginLoadError, PolicyPlugin,
-    Record, RewardSet, Sdk,
+    CallbackSet, DataPlugins, EnvironmentPlugin, MultiAgentEnvironmentPlugin, PluginError,
+    PluginLoadError, PolicyPlugin, Record, RewardSet, Sdk,
 };
 use crate::python::{PythonError, PythonWorker};
 use crate::roles::{
-    Environments, EpisodeResult, EpisodeStart, Generator, Learner, Observer, RoleError, RoleFuture,
-    RunStarted, SaveWritten, Scorer, StepOutcome, Tokenizer,
+    AgentTurn, Environments, EpisodeResult, EpisodeStart, Generator, JointOutcome, Learner,
+    MultiAgentEnvironments, Observer, RoleError, RoleFuture, RunStarted, SaveWritten, Scorer,
+    StepOutcome, Tokenizer,
 };
 use crate::sandbox::FailureLedger;
 use crate::scoring::Scoring;
@@ -99,12 +101,23 @@ impl PolicyHost {
         worker: Arc<PythonWorker>,
         loaded: &LoadedConfig,
     ) -> Result<Self, LocalError> {
+        let policy = loaded.config.policy.clone();
+        Self::load_policy(worker, loaded, KeyPath::default().key("policy"), policy).await
+    }
+
+    /// Imports and instantiates `policy`, configured at `key` (an agent's, or `[policy]`).
+    pub async fn load_policy(
+        worker: Arc<PythonWorker>,
+        loaded: &LoadedConfig,
+        key: KeyPath,
+        policy: PluginConfig,
+    ) -> Result<Self, LocalError> {
         let loaded_config = loaded.clone();
         let policy = worker
             .run(move |py| -> Result<_, LocalError> {
                 seed_once(py, loaded_config.config.run.seed)?;
                 let sdk = Sdk::import(py)?;
-                Ok(PolicyPlugin::load(py, &loaded_config, sdk)?)
+                Ok(PolicyPlugin::load(py, &loaded_config, &key, &policy, sdk)?)
             })
             .await??;
         let policy = Arc::new(policy);
@@ -365,6 +378,8 @@ pub struct Services {
     worker: Arc<PythonWorker>,
     rewards: Scoring,
     environment: Option<EpisodeHost>,
+    /// A multi-agent run's environment (then `environment` is `None`).
+    joint: Option<JointEpisodes>,
     callbacks: Arc<CallbackSet>,
     data: Arc<DataPlugins>,
 }
@@ -378,7 +393,8 @@ impl Services {
         let loaded_config = loaded.clone();
         let sandboxed = Scoring::sandboxed(&loaded.config);
         let environment_sandboxed = EpisodeHost::sandboxed(&loaded.config);
-        let (data, rewards, environment, callbacks) = worker
+        let multi_agent = loaded.config.multi_agent();
+        let (data, rewards, environment, joint, callbacks) = worker
             .run(move |py| -> Result<_, LocalError> {
                 seed_once(py, loaded_config.config.run.seed)?;
                 let sdk = Sdk::import(py)?;
@@ -386,13 +402,14 @@ impl Services {
                 let rewards = (!sandboxed)
                     .then(|| RewardSet::load(py, &loaded_config, sdk.clone()))
                     .transpose()?;
-                let environment = if environment_sandboxed {
+                let environment = if environment_sandboxed || multi_agent {
                     None
                 } else {
                     EnvironmentPlugin::load(py, &loaded_config)?
                 };
+                let joint = MultiAgentEnvironmentPlugin::load(py, &loaded_config)?;
                 let callbacks = CallbackSet::load(py, &loaded_config, sdk)?;
-                Ok((data, rewards, environment, callbacks))
+                Ok((data, rewards, environment, joint, callbacks))
             })
             .await??;
         // Every sample counts once toward the sandbox's failure limits.
@@ -403,9 +420,17 @@ impl Services {
             worker,
             rewards,
             environment,
+            joint: joint.map(JointEpisodes::new),
             callbacks: Arc::new(callbacks),
             data: Arc::new(data),
         })
+    }
+
+    /// The multi-agent environment's episodes, in a run with `[agents]`.
+    pub fn multi_agent(&self) -> Option<&dyn MultiAgentEnvironments> {
+        self.joint
+            .as_ref()
+            .map(|_| self as &dyn MultiAgentEnvironments)
     }
 
     pub fn has_environment(&self) -> bool {
@@ -464,6 +489,46 @@ impl Environments for Services {
         traced(|| tracing::info_span!("env.finish"), async move {
             match &self.environment {
                 Some(host) => host.finish(&self.worker, ids).await,
+                None => Ok(()),
+            }
+        })
+    }
+}
+
+impl MultiAgentEnvironments for Services {
+    fn agents(&self) -> Vec<String> {
+        self.joint
+            .as_ref()
+            .map(JointEpisodes::agents)
+            .unwrap_or_default()
+    }
+
+    fn start(&self, first_id: u64, starts: Vec<EpisodeStart>) -> RoleFuture<'_, Vec<AgentTurn>> {
+        let episodes = starts.len();
+        let span = move || tracing::info_span!("env.start", episodes);
+        traced(span, async move {
+            match &self.joint {
+                Some(joint) => joint.start(&self.worker, first_id, starts).await,
+                None => Ok(Vec::new()),
+            }
+        })
+    }
+
+    fn step(&self, actions: Vec<(u64, String)>) -> RoleFuture<'_, Vec<JointOutcome>> {
+        let episodes = actions.len();
+        let span = move || tracing::info_span!("env.step", episodes);
+        traced(span, async move {
+            match &self.joint {
+                Some(joint) => joint.step(&self.worker, actions).await,
+                None => Ok(Vec::new()),
+            }
+        })
+    }
+
+    fn finish(&self, ids: Vec<u64>) -> RoleFuture<'_, ()> {
+        traced(|| tracing::info_span!("env.finish"), async move {
+            match &self.joint {
+                Some(joint) => joint.finish(&self.worker, ids).await,
                 None => Ok(()),
             }
         })

@@ -145,6 +145,33 @@ pub trait Environments: Send + Sync {
     fn finish(&self, ids: Vec<u64>) -> RoleFuture<'_, ()>;
 }
 
+/// Whose turn it is in a multi-agent episode, and the whole prompt that agent sees.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AgentTurn {
+    pub agent: String,
+    pub prompt: String,
+}
+
+/// A multi-agent environment's answer to one turn: rewards to any agents, and the next turn
+/// (`None`: the episode is over).
+#[derive(Debug, Clone, PartialEq)]
+pub struct JointOutcome {
+    pub rewards: BTreeMap<String, f64>,
+    pub next: Option<AgentTurn>,
+}
+
+/// Episodes in which several agents take turns; a call that fails fails the run.
+pub trait MultiAgentEnvironments: Send + Sync {
+    /// The agents the environment hands turns to.
+    fn agents(&self) -> Vec<String>;
+    /// Starts episodes and returns their first turns; episode `i` has id `first_id + i`.
+    fn start(&self, first_id: u64, episodes: Vec<EpisodeStart>) -> RoleFuture<'_, Vec<AgentTurn>>;
+    /// One outcome per action (the text of the turn last handed to that episode), in order.
+    fn step(&self, actions: Vec<(u64, String)>) -> RoleFuture<'_, Vec<JointOutcome>>;
+    /// Releases the episodes of `ids`.
+    fn finish(&self, ids: Vec<u64>) -> RoleFuture<'_, ()>;
+}
+
 /// Run-level events for callbacks; observers cannot fail a run.
 pub trait Observer: Send + Sync {
     fn run_started(&self, info: RunStarted) -> Pin<Box<dyn Future<Output = ()> + Send + '_>>;

@@ -10,6 +10,7 @@ use crate::local::{LocalError, PolicyHost, Services};
 use crate::plugins::Record;
 use crate::python::{PythonError, PythonSetup, PythonWorker};
 use crate::roles::{RoleError, Tokenizer};
+use crate::telemetry::{Observed, Telemetry};
 use crate::train::{Controller, Roles, RunError, Start, Summary};
 
 #[derive(Debug, thiserror::Error)]
@@ -34,14 +35,7 @@ pub struct Session {
 
 impl Session {
     pub async fn open(loaded: LoadedConfig) -> Result<Self, SessionError> {
-        let python = &loaded.config.python;
-        let setup = PythonSetup::discover(python.venv.as_deref(), &python.paths)?;
-        let worker = tokio::task::spawn_blocking(move || PythonWorker::start(setup))
-            .await
-            .map_err(|err| {
-                PythonError::Setup(format!("the Python start-up task failed: {err}"))
-            })??;
-        let worker = Arc::new(worker);
+        let worker = start_python(&loaded).await?;
         let policy = PolicyHost::load(worker.clone(), &loaded)
             .instrument(tracing::info_span!("policy.load"))
             .await?;
@@ -204,17 +198,33 @@ impl Session {
         Ok(serde_json::Value::Object(stats))
     }
 
-    /// Runs the training loop; `interrupted` is set by the Ctrl-C handler.
+    /// Runs the training loop; `interrupted` is set by the Ctrl-C handler. Each step's
+    /// metrics are published to `telemetry` too, when there is one (`/metrics`).
     pub async fn run(
         self,
         start: Start,
         interrupted: Arc<AtomicBool>,
+        telemetry: Option<&Telemetry>,
     ) -> Result<Summary, SessionError> {
         let config = &self.loaded.config;
-        let mut controller =
-            Controller::new(config, self.roles(), self.records.clone(), interrupted);
+        let observer = Observed::new(&self.services, telemetry);
+        let roles = Roles {
+            observer: &observer,
+            ..self.roles()
+        };
+        let mut controller = Controller::new(config, roles, self.records.clone(), interrupted);
         let result = controller.run(start).await;
         controller.finish(result.as_ref().ok()).await;
         Ok(result?)
     }
+}
+
+/// Starts the embedded interpreter that `[python]` describes.
+pub(crate) async fn start_python(loaded: &LoadedConfig) -> Result<Arc<PythonWorker>, SessionError> {
+    let python = &loaded.config.python;
+    let setup = PythonSetup::discover(python.venv.as_deref(), &python.paths)?;
+    let worker = tokio::task::spawn_blocking(move || PythonWorker::start(setup))
+        .await
+        .map_err(|err| PythonError::Setup(format!("the Python start-up task failed: {err}")))??;
+    Ok(Arc::new(worker))
 }

@@ -184,6 +184,45 @@ fn powersgd_without_its_warm_up_is_located() {
 }
 
 #[test]
+fn a_bad_metrics_address_is_located() {
+    let tmp = tempfile::tempdir().unwrap();
+    for listen in ["localhost:9400", "127.0.0.1", "127.0.0.1:99999"] {
+        let metrics = format!("[metrics]\nlisten = \"{listen}\"\n");
+        let config = toy_config(tmp.path(), DIGIT_REWARD, &metrics);
+        let out = rollout(&["check", config.to_str().unwrap()], tmp.path());
+        assert_eq!(out.status.code(), Some(2), "{listen}");
+        let err = stderr(&out);
+        let line = std::fs::read_to_string(&config)
+            .unwrap()
+            .lines()
+            .position(|line| line.starts_with("listen = "))
+            .unwrap()
+            + 1;
+        assert!(
+            err.contains(&format!(
+                "toy.toml:{line}:1: `metrics.listen`: must be an address"
+            )),
+            "{listen}: {err}"
+        );
+    }
+    // And through --set, the same check.
+    let config = toy_config(tmp.path(), DIGIT_REWARD, "");
+    let args = [
+        "check",
+        config.to_str().unwrap(),
+        "--set",
+        "metrics.listen=nowhere",
+    ];
+    let out = rollout(&args, tmp.path());
+    assert_eq!(out.status.code(), Some(2));
+    let err = stderr(&out);
+    assert!(
+        err.contains("--set metrics.listen") && err.contains("must be an address"),
+        "{err}"
+    );
+}
+
+#[test]
 fn missing_config_file_is_a_clear_error() {
     let tmp = tempfile::tempdir().unwrap();
     let out = rollout(&["run", "nope.toml"], tmp.path());
@@ -538,4 +577,58 @@ fn resumed_run_matches_an_uninterrupted_one() {
         strip(metric_lines(straight.path())),
         strip(metric_lines(split.path()))
     );
+}
+
+#[test]
+fn what_a_multi_agent_run_cannot_combine_with_is_located() {
+    let tmp = tempfile::tempdir().unwrap();
+    let environment = "[environment]\nplugin = \"python_plugins.multi_agent:ProposerSolver\"\n";
+    let cases = [
+        (
+            "",
+            "[agents.Solver]\n",
+            "[agents.Solver]",
+            "agent name `Solver`",
+        ),
+        (
+            DIGIT_REWARD,
+            "[agents.solver]\n",
+            "[[rewards]]",
+            "come from its environment",
+        ),
+        (
+            "",
+            "[agents.solver]\nlearning_rate = -1.0\n",
+            "learning_rate = -1.0",
+            "must be a finite number > 0",
+        ),
+        (
+            "",
+            "[agents.solver]\n[algorithm]\nname = \"ppo\"\n",
+            "name = \"ppo\"",
+            "critic-free policy-gradient",
+        ),
+    ];
+    for (rewards, agents, located_at, message) in cases {
+        let config = toy_config(tmp.path(), rewards, &format!("{environment}{agents}"));
+        let out = rollout(&["check", config.to_str().unwrap()], tmp.path());
+        assert_eq!(out.status.code(), Some(2), "{agents}");
+        let err = stderr(&out);
+        let line = std::fs::read_to_string(&config)
+            .unwrap()
+            .lines()
+            .position(|line| line.starts_with(located_at))
+            .unwrap()
+            + 1;
+        assert!(
+            err.contains(&format!("toy.toml:{line}:")),
+            "{agents}: {err}"
+        );
+        assert!(err.contains(message), "{agents}: {err}");
+    }
+    // Agents need an environment to take turns in.
+    let config = toy_config(tmp.path(), "", "[agents.solver]\n");
+    let out = rollout(&["check", config.to_str().unwrap()], tmp.path());
+    assert_eq!(out.status.code(), Some(2));
+    assert!(stderr(&out).contains("agents take turns in an environment"));
 }

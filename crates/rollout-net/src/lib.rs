@@ -7,6 +7,7 @@
 //! - [`auth`]: the challenge-response every TCP connection passes before a frame is read.
 //! - [`link`]: authenticated TCP connections between roles.
 //! - [`rpc`]: calls and answers over a link, with heartbeats and credits.
+//! - [`heard`]: when a connection last delivered a frame.
 //! - [`tls`]: optional encryption of links, bound to the authentication.
 //!
 //! # Frame layout
@@ -46,6 +47,7 @@
 
 pub mod auth;
 pub mod frame;
+pub mod heard;
 pub mod link;
 pub mod messages;
 pub mod rpc;

@@ -16,6 +16,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio_util::codec::{Framed, FramedRead};
 
 use crate::frame::{Frame, FrameCodec, FrameError};
+use crate::heard::HeardClock;
 use crate::link::{LinkLimits, NetError};
 use crate::messages::{ErrorMessage, Heartbeat, Hello, Message, MessageKind};
 use crate::tls::Stream as LinkStream;
@@ -71,6 +72,7 @@ pub(crate) fn start_client(
         pending: Mutex::new(HashMap::new()),
         lost: Mutex::new(None),
         peer: peer.clone(),
+        heard: HeardClock::starting_now(),
     });
     let (outgoing, queue) = mpsc::unbounded_channel::<Outgoing>();
     let (sink, stream) = split(framed);
@@ -183,6 +185,7 @@ struct ClientShared {
     /// Why the connection ended, once it has.
     lost: Mutex<Option<NetError>>,
     peer: String,
+    heard: HeardClock,
 }
 
 impl ClientShared {
@@ -272,6 +275,7 @@ async fn client_reader(mut stream: Stream, shared: Arc<ClientShared>, timeout: D
             Ok(Some(Err(err))) => break format!("bad frame: {err}"),
             Ok(Some(Ok(frame))) => frame,
         };
+        shared.heard.heard();
         if frame.kind == MessageKind::Heartbeat {
             continue;
         }
@@ -315,6 +319,11 @@ impl RpcClient {
 
     pub fn describe(&self) -> &str {
         &self.shared.peer
+    }
+
+    /// When the peer last sent anything (an answer or a heartbeat).
+    pub fn heard(&self) -> HeardClock {
+        self.shared.heard.clone()
     }
 
     /// Sends `request` now (in call order, when a credit is free) and returns the call whose

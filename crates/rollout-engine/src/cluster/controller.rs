@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use rollout_net::ClusterKey;
+use rollout_net::heard::HeardClock;
 use rollout_net::link::{Link, LinkLimits};
 use rollout_net::messages::{Done, Hello, Welcome};
 use rollout_net::rpc::RpcClient;
@@ -23,6 +24,7 @@ use super::workers::{PoolSettings, RemoteWorkers};
 use crate::config::{ClusterConfig, LoadedConfig};
 use crate::local::Services;
 use crate::python::{PythonSetup, PythonWorker};
+use crate::telemetry::{Observed, RoleKind, Telemetry, WorkerHealth};
 use crate::train::{Controller, Roles, Start, Summary};
 
 /// The connection settings of a run's cluster section.
@@ -88,15 +90,32 @@ fn accept_roles(
 pub struct Joined {
     pub workers: RemoteWorkers,
     pub trainers: RemoteTrainers,
+    /// Where the trainer ranks' health is reported (the pool reports the workers').
+    health: WorkerHealth,
+    /// Each trainer rank's name and connection clock.
+    trainer_clocks: Vec<(String, HeardClock)>,
+}
+
+impl Drop for Joined {
+    /// The run is over (or abandoned after a lost trainer rank): its processes are down
+    /// until a new attempt's join.
+    fn drop(&mut self) {
+        for (name, heard) in &self.trainer_clocks {
+            self.health.left(RoleKind::Trainer, name, heard);
+        }
+        self.workers.report_left();
+    }
 }
 
 /// Waits until `cluster.workers` workers and `cluster.trainers` trainer ranks have joined,
 /// then sends each the run's config and waits until every one has loaded its policy.
-/// Generation workers that connect later join the running pool.
+/// Generation workers that connect later join the running pool. Joins and losses are
+/// reported to `health`.
 pub async fn gather(
     listener: TcpListener,
     key: ClusterKey,
     loaded: &LoadedConfig,
+    health: WorkerHealth,
 ) -> Result<Joined, ClusterError> {
     let cluster = &loaded.config.cluster;
     let limit = Duration::from_secs_f64(cluster.join_timeout_seconds);
@@ -175,23 +194,39 @@ pub async fn gather(
         lease_timeout: Duration::from_secs_f64(cluster.lease_timeout_seconds),
         join_timeout: limit,
         max_attempts: cluster.max_attempts,
+        health: health.clone(),
     };
     let workers = RemoteWorkers::new(workers, Ledger::new(Some(&journal)), settings);
     workers.admit_late_workers(links, config_toml);
+    let trainer_clocks = trainers_joined(&health, &trainers);
     Ok(Joined {
         workers,
         trainers: RemoteTrainers::new(trainers),
+        health,
+        trainer_clocks,
     })
 }
 
+/// Reports the trainer ranks as joined; returns their names and connection clocks.
+fn trainers_joined(health: &WorkerHealth, trainers: &[RpcClient]) -> Vec<(String, HeardClock)> {
+    let joined = trainers.iter().map(|client| {
+        let (name, heard) = (client.peer().name.clone(), client.heard());
+        health.joined(RoleKind::Trainer, &name, heard.clone());
+        (name, heard)
+    });
+    joined.collect()
+}
+
 /// Runs the controller: the run's data, rewards, environment and callbacks here, generation
-/// and training in the joined role processes.
+/// and training in the joined role processes. Step metrics and the roles' health go to
+/// `telemetry` too, when there is one (`/metrics`).
 pub async fn run(
     loaded: &LoadedConfig,
     listener: TcpListener,
     key: ClusterKey,
     start: Start,
     interrupted: Arc<AtomicBool>,
+    telemetry: Option<&Telemetry>,
 ) -> Result<Summary, ClusterError> {
     let python = &loaded.config.python;
     let setup = PythonSetup::discover(python.venv.as_deref(), &python.paths)?;
@@ -207,7 +242,8 @@ pub async fn run(
         let records = services.records().await?;
         Ok::<_, ClusterError>((services, records))
     };
-    let (joined, services) = tokio::join!(gather(listener, key, loaded), services);
+    let health = telemetry.map(Telemetry::health).unwrap_or_default();
+    let (joined, services) = tokio::join!(gather(listener, key, loaded, health), services);
     let joined = joined?;
     let (services, records) = match services {
         Ok(services) => services,
@@ -216,13 +252,14 @@ pub async fn run(
             return Err(err);
         }
     };
+    let observer = Observed::new(&services, telemetry);
     let roles = Roles {
         generator: &joined.workers,
         scorer: &services,
         learner: &joined.trainers,
         tokenizer: &joined.workers,
         environments: services.has_environment().then_some(&services as _),
-        observer: &services,
+        observer: &observer,
     };
     let mut controller = Controller::new(&loaded.config, roles, records, interrupted);
     let result = controller.run(start).await;

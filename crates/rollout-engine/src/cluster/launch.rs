@@ -30,8 +30,8 @@ pub struct Children {
 
 /// What `rollout launch` does about a role process that exited.
 pub enum Exited {
-    /// A generation worker that died was started again.
-    Restarted,
+    /// The generation worker of this name died and was started again.
+    Restarted(String),
     /// A generation worker left on its own (drained) or ran out of restarts; the run goes
     /// on with the others.
     Left,
@@ -199,7 +199,7 @@ impl Children {
         role.restarts += 1;
         tracing::warn!("{} exited with {status}; starting it again", role.name);
         Some(match role.start() {
-            Ok(()) => Exited::Restarted,
+            Ok(()) => Exited::Restarted(role.name.clone()),
             Err(err) => Exited::Fatal(err.to_string()),
         })
     }

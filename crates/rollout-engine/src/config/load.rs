@@ -169,8 +169,9 @@ fn set_path(node: &mut toml::Value, path: &[Segment], value: toml::Value) -> Res
     set_path(child, rest, value)
 }
 
-/// TOML syntax when it parses (`3`, `true`, `[1, 2]`, `"x"`), else the raw text as a string.
-fn parse_override_value(raw: &str) -> toml::Value {
+/// TOML syntax when it parses (`3`, `true`, `[1, 2]`, `"x"`), else the raw text as a string:
+/// how `--set` (and `rollout sweep --grid`) read a value.
+pub fn parse_override_value(raw: &str) -> toml::Value {
     toml::from_str::<toml::Table>(&format!("value = {raw}"))
         .ok()
         .and_then(|mut t| t.remove("value"))

@@ -1,11 +1,15 @@
 //! The TOML run configuration.
 
+mod agents;
 mod load;
 mod location;
 mod schema;
 mod validate;
 
-pub use load::{ConfigError, LoadedConfig, load, load_text, suggest, with_suggestion};
+pub use agents::{AgentConfig, AgentSpec};
+pub use load::{
+    ConfigError, LoadedConfig, load, load_text, parse_override_value, suggest, with_suggestion,
+};
 pub use location::{KeyPath, Location, Segment};
 pub use schema::*;
 

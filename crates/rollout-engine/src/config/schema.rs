@@ -39,6 +39,13 @@ pub struct Config {
     /// Reward plugins in separate, limited processes (0 processes: in this process).
     #[serde(default)]
     pub sandbox: SandboxConfig,
+    /// Prometheus metrics served over HTTP at `/metrics` (off unless `listen` is set).
+    #[serde(default)]
+    pub metrics: MetricsConfig,
+    /// Several policies trained together, taking turns in a multi-agent environment
+    /// (`[agents.NAME]`, see `config/agents.rs`); empty: one policy, `[policy]`.
+    #[serde(default)]
+    pub agents: std::collections::BTreeMap<String, super::AgentConfig>,
 }
 
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
@@ -528,6 +535,17 @@ impl Default for ClusterConfig {
             tls: false,
         }
     }
+}
+
+/// Prometheus metrics of the run (`rollout run`, or the controller of `rollout launch`),
+/// served at `http://<listen>/metrics`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsConfig {
+    /// `IP:PORT` to serve on, e.g. "127.0.0.1:9400"; empty (the default): no server. Port 0
+    /// picks a free one (logged). Use a non-loopback address only on a trusted network: the
+    /// endpoint has no authentication.
+    pub listen: String,
 }
 
 /// Plugin isolation: `[[rewards]]` scored in a pool of worker processes, one sample per call,

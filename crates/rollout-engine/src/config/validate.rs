@@ -50,6 +50,7 @@ pub fn validate(loaded: &LoadedConfig) -> Result<(), ConfigError> {
         "must be in (0, 1]",
     )?;
     validate_algorithm(loaded)?;
+    super::agents::validate_agents(loaded)?;
     let algorithm = &config.algorithm;
     check(
         algorithm.kl_coef.is_finite() && algorithm.kl_coef >= 0.0,
@@ -141,6 +142,12 @@ pub fn validate(loaded: &LoadedConfig) -> Result<(), ConfigError> {
         ["auto", "gloo", "nccl"].contains(&cluster.backend.as_str()),
         "cluster.backend",
         "must be \"auto\", \"gloo\" or \"nccl\"",
+    )?;
+    let listen = config.metrics.listen.as_str();
+    check(
+        listen.is_empty() || listen.parse::<std::net::SocketAddr>().is_ok(),
+        "metrics.listen",
+        "must be an address IP:PORT such as \"127.0.0.1:9400\" (empty: no metrics server)",
     )?;
     let sandbox = &config.sandbox;
     check(

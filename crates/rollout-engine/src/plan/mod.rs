@@ -124,6 +124,13 @@ pub struct Plan {
 /// Plans `loaded` for `mode`; `limit_gb` (from `--memory-limit`) overrides
 /// `[run] memory_limit_gb`.
 pub fn plan(loaded: &LoadedConfig, mode: Mode, limit_gb: Option<f64>) -> Result<Plan, PlanError> {
+    // A multi-agent run's own role holds its first agent's policy.
+    let first_agent = loaded
+        .config
+        .agent_specs()
+        .first()
+        .map(|spec| with_policy(loaded, spec.policy));
+    let loaded = first_agent.as_ref().unwrap_or(loaded);
     let config = &loaded.config;
     let cuda = cuda_present();
     let options = PolicyOptions::read(loaded, cuda)?;
@@ -135,10 +142,13 @@ pub fn plan(loaded: &LoadedConfig, mode: Mode, limit_gb: Option<f64>) -> Result<
         .map(|gb| (gb * 1e9) as u64);
     let host = host_available_bytes();
     let inputs = gather_inputs(loaded, &options, &shape, algorithm, cuda, host, limit)?;
-    let roles = match mode {
+    let mut roles = match mode {
         Mode::Run => roles::in_process(&inputs),
         Mode::Launch { .. } => roles::launch(&inputs),
     };
+    if mode == Mode::Run {
+        roles.extend(other_agents(loaded, cuda, host, limit)?);
+    }
     let local = |role: &RolePlan| match mode {
         Mode::Launch {
             external_roles: true,
@@ -178,6 +188,33 @@ pub fn plan(loaded: &LoadedConfig, mode: Mode, limit_gb: Option<f64>) -> Result<
         devices,
         notes,
     })
+}
+
+/// A multi-agent run holds one policy per agent: every agent after the first (which the
+/// run's own role plans, as `[policy]`) adds its own.
+fn other_agents(
+    loaded: &LoadedConfig,
+    cuda: bool,
+    host: Option<u64>,
+    limit: Option<u64>,
+) -> Result<Vec<roles::Role>, PlanError> {
+    let mut agents = Vec::new();
+    for spec in loaded.config.agent_specs().into_iter().skip(1) {
+        let agent = with_policy(loaded, spec.policy);
+        let options = PolicyOptions::read(&agent, cuda)?;
+        let shape = read_model(&agent, &options.model_path, "model_path")?;
+        let algorithm = agent.config.algorithm.name;
+        let inputs = gather_inputs(&agent, &options, &shape, algorithm, cuda, host, limit)?;
+        agents.push(roles::agent_in_process(spec.name, &inputs));
+    }
+    Ok(agents)
+}
+
+/// `loaded` with `policy` as its `[policy]`.
+fn with_policy(loaded: &LoadedConfig, policy: &crate::config::PluginConfig) -> LoadedConfig {
+    let mut copy = loaded.clone();
+    copy.config.policy = policy.clone();
+    copy
 }
 
 /// The models and figures the role estimates need, read from the config and `config.json`s.

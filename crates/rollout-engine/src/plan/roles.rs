@@ -47,19 +47,33 @@ pub struct Role {
 
 /// `rollout run`: every role in one process (plus the sandbox processes, if any).
 pub fn in_process(inputs: &Inputs<'_>) -> Vec<Role> {
-    let workload = Workload::of(inputs.config, inputs.policy.shape, inputs.samples, 1);
     let mut components = runtime(inputs.policy.options.device, process_runtime(inputs));
-    components.push(inputs.policy.weights());
-    if inputs.samples {
-        components.extend(generation(inputs, &workload));
-    }
-    components.extend(training(inputs, &workload, 1, true));
+    components.extend(policy_in_process(inputs));
     let mut roles = vec![Role {
         name: "run".into(),
         components,
     }];
     place_reward_models(inputs, &mut roles);
     roles
+}
+
+/// A policy's weights, generation and training in the run's process.
+fn policy_in_process(inputs: &Inputs<'_>) -> Vec<Component> {
+    let workload = Workload::of(inputs.config, inputs.policy.shape, inputs.samples, 1);
+    let mut components = vec![inputs.policy.weights()];
+    if inputs.samples {
+        components.extend(generation(inputs, &workload));
+    }
+    components.extend(training(inputs, &workload, 1, true));
+    components
+}
+
+/// Another agent of a multi-agent run: its own policy in the run's process.
+pub fn agent_in_process(name: &str, inputs: &Inputs<'_>) -> Role {
+    Role {
+        name: format!("agent {name}"),
+        components: policy_in_process(inputs),
+    }
 }
 
 /// `rollout launch`: the controller, `[cluster] workers` generation workers and

@@ -378,3 +378,30 @@ fn host_heap_retention_is_reused_by_gradients_and_optimizer_state() {
     let cuda = setup.plan(", device = \"cuda\"", "");
     assert_eq!(part(&cuda, 0, "allocator retention"), 0);
 }
+
+#[test]
+fn every_agent_of_a_multi_agent_run_holds_its_own_policy() {
+    let setup = Setup::new();
+    let single = setup.plan("", "");
+    let text = format!(
+        "[policy]\nplugin = \"python_plugins.hf_policy:HFCausalLM\"\n\
+         options = {{ model_path = \"{}\" }}\n[agents.proposer]\n[agents.solver]\n\
+         [data]\nplugin = \"d:D\"\n[environment]\nplugin = \"e:E\"\n\
+         [rollout]\nprompts_per_step = 8\ngroup_size = 8\nmax_new_tokens = 32\n\
+         [run]\nplan_prompt_tokens = 6\n",
+        setup.model().display()
+    );
+    let loaded = crate::config::load_text(Path::new("agents.toml"), text, &[]).unwrap();
+    let agents = plan(&loaded, Mode::Run, None).unwrap();
+    let roles: Vec<&str> = agents.roles.iter().map(|r| r.role.as_str()).collect();
+    assert_eq!(roles, ["run", "agent solver"]);
+    for name in ["weights", "gradients", "optimizer state", "KV cache"] {
+        assert_eq!(part(&agents, 1, name), part(&single, 0, name), "{name}");
+        assert_eq!(part(&agents, 0, name), part(&single, 0, name), "{name}");
+    }
+    // One interpreter for both agents.
+    assert_eq!(part(&agents, 1, "runtime"), 0);
+    let peak = |plan: &Plan| plan.devices[0].predicted_peak_bytes;
+    let solver = agents.roles[1].devices[0].peak_bytes;
+    assert_eq!(peak(&agents), peak(&single) + solver);
+}

@@ -16,6 +16,16 @@ pub struct EnvironmentPlugin {
 /// An episode's environment instance.
 pub struct Episode(Py<PyAny>);
 
+impl Episode {
+    pub(super) fn new(instance: Py<PyAny>) -> Self {
+        Episode(instance)
+    }
+
+    pub(super) fn object<'py>(&self, py: Python<'py>) -> &Bound<'py, PyAny> {
+        self.0.bind(py)
+    }
+}
+
 impl EnvironmentPlugin {
     pub fn load(py: Python<'_>, loaded: &LoadedConfig) -> Result<Option<Self>, PluginLoadError> {
         let Some(environment) = &loaded.config.environment else {

@@ -5,6 +5,7 @@
 mod callbacks;
 mod data;
 mod environment;
+mod multi_agent;
 mod policy;
 mod policy_training;
 mod policy_weights;
@@ -24,6 +25,7 @@ use crate::python::convert::table_to_py;
 pub use callbacks::CallbackSet;
 pub use data::{DataPlugins, Record};
 pub use environment::{EnvironmentPlugin, Episode};
+pub use multi_agent::MultiAgentEnvironmentPlugin;
 pub use policy::{KvLayout, PolicyPlugin};
 pub use reward::RewardSet;
 pub use sandboxed::{environment_pool_spec, pool_spec, sandbox_launch, sandbox_load_error};

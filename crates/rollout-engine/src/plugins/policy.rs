@@ -10,7 +10,7 @@ use pyo3::types::{PyDict, PyList, PyTuple};
 use rollout_net::messages::{Completion, FinishReason, GenerateRequest, GenerateResponse};
 
 use super::{PluginError, PluginLoadError, PluginRef, Sdk};
-use crate::config::{KeyPath, LoadedConfig};
+use crate::config::{KeyPath, LoadedConfig, PluginConfig};
 use crate::engine::{StepOutcome, StepPlan};
 use crate::python::convert::py_to_json;
 use crate::train::SnapshotFiles;
@@ -42,20 +42,15 @@ pub struct PolicyPlugin {
 }
 
 impl PolicyPlugin {
+    /// Loads `policy`, configured at `key` of `loaded` (`[policy]`, or an agent's).
     pub fn load(
         py: Python<'_>,
         loaded: &LoadedConfig,
+        key: &KeyPath,
+        policy: &PluginConfig,
         sdk: Arc<Sdk>,
     ) -> Result<Self, PluginLoadError> {
-        let policy = &loaded.config.policy;
-        let plugin = PluginRef::load(
-            py,
-            loaded,
-            &KeyPath::default().key("policy"),
-            &policy.plugin,
-            &policy.options,
-            "Policy",
-        )?;
+        let plugin = PluginRef::load(py, loaded, key, &policy.plugin, &policy.options, "Policy")?;
         Ok(PolicyPlugin {
             plugin,
             sdk,

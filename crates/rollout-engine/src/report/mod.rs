@@ -1,13 +1,17 @@
 //! `rollout report RUN_DIR...`: one self-contained HTML page (inline CSS and SVG, no scripts)
 //! with the curves of one or more runs' `metrics.jsonl` (reward, loss, KL, completion
 //! length, throughput) and where their time went; several runs are overlaid, one colour each.
-//! See docs/integrations.md.
+//! With `--png` each chart is also written as a PNG file (png.rs). See docs/integrations.md.
 
+mod agents;
 mod charts;
 mod html;
 mod line;
 mod load;
 mod phases;
+pub mod png;
+#[cfg(test)]
+mod png_tests;
 mod scale;
 mod summary;
 mod svg;
@@ -53,6 +57,11 @@ pub enum ReportError {
     Smoothing(f64),
     #[error("no run directory given")]
     NoRuns,
+    #[error("cannot draw the chart `{chart}` as PNG")]
+    Png {
+        chart: String,
+        source: png::PngError,
+    },
 }
 
 /// What `rollout report` was asked for.
@@ -65,6 +74,18 @@ pub struct Options {
     pub smoothing: f64,
 }
 
+/// Whether, and where, `write_with_png` writes each chart as `<id>.png`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum PngOutput {
+    /// The page only.
+    #[default]
+    Off,
+    /// Beside the page: `R.html` → `R_files/` ([`png::default_dir`]).
+    NextToPage,
+    /// In this directory.
+    Dir(PathBuf),
+}
+
 /// What `write` wrote.
 #[derive(Debug, Clone)]
 pub struct Written {
@@ -72,6 +93,10 @@ pub struct Written {
     pub runs: usize,
     /// The ids of the charts, in the page's order.
     pub charts: Vec<String>,
+    /// The charts' PNG files, in the same order (empty without PNG output).
+    pub pngs: Vec<PathBuf>,
+    /// Font faces the PNGs' labels could use (0: drawn without text); 0 without PNGs.
+    pub png_font_faces: usize,
 }
 
 /// A rendered report: the page, and each chart on its own (`(id, <svg>)`).
@@ -83,6 +108,11 @@ pub struct Report {
 
 /// Reads the runs, renders the page and writes it (atomically: a reader never sees half).
 pub fn write(options: &Options) -> Result<Written, ReportError> {
+    write_with_png(options, &PngOutput::Off)
+}
+
+/// [`write`], and each chart as a PNG where `png` says.
+pub fn write_with_png(options: &Options, png: &PngOutput) -> Result<Written, ReportError> {
     if !(0.0..1.0).contains(&options.smoothing) {
         return Err(ReportError::Smoothing(options.smoothing));
     }
@@ -99,17 +129,52 @@ pub fn write(options: &Options) -> Result<Written, ReportError> {
         .clone()
         .unwrap_or_else(|| first.join("report.html"));
     write_atomically(&path, report.html.as_bytes())?;
+    let png_dir = match png {
+        PngOutput::Off => None,
+        PngOutput::NextToPage => Some(png::default_dir(&path)),
+        PngOutput::Dir(dir) => Some(dir.clone()),
+    };
+    let (pngs, png_font_faces) = match png_dir {
+        Some(dir) => write_pngs(&report.charts, &dir)?,
+        None => (Vec::new(), 0),
+    };
     Ok(Written {
         html: path,
         runs: runs.len(),
         charts: report.charts.into_iter().map(|(id, _)| id).collect(),
+        pngs,
+        png_font_faces,
     })
+}
+
+/// Each chart as `dir/<id>.png`; the files, and the font faces their labels could use.
+fn write_pngs(
+    charts: &[(String, String)],
+    dir: &Path,
+) -> Result<(Vec<PathBuf>, usize), ReportError> {
+    let rasterizer = png::Rasterizer::with_system_fonts();
+    let faces = rasterizer.font_faces();
+    if faces == 0 {
+        tracing::warn!("no fonts found: the PNG charts are drawn without their labels");
+    }
+    let mut written = Vec::with_capacity(charts.len());
+    for (id, svg) in charts {
+        let bytes = rasterizer.png(svg).map_err(|source| ReportError::Png {
+            chart: id.clone(),
+            source,
+        })?;
+        let path = dir.join(format!("{id}.png"));
+        write_atomically(&path, &bytes)?;
+        written.push(path);
+    }
+    Ok((written, faces))
 }
 
 /// The page for `runs`, with lines smoothed by `smoothing` (0: none).
 pub fn render(runs: &[Run], smoothing: f64) -> Report {
     let mut charts: Vec<(String, String)> = charts::line_charts(runs, smoothing)
-        .iter()
+        .into_iter()
+        .chain(agents::agent_charts(runs, smoothing))
         .map(|chart| (chart.id.clone(), chart.render()))
         .collect();
     let line_count = charts.len();

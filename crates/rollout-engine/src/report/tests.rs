@@ -316,3 +316,40 @@ fn bad_options_are_refused() {
     let err = write(&Options::default()).unwrap_err();
     assert!(matches!(err, ReportError::NoRuns));
 }
+
+#[test]
+fn a_multi_agent_run_gets_a_line_per_agent() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("agents");
+    std::fs::create_dir_all(&dir).unwrap();
+    let lines: String = (1..=3)
+        .map(|step| {
+            let line = serde_json::json!({
+                "step": step,
+                "reward_mean": 0.5,
+                "proposer/reward_mean": 0.1 * f64::from(step),
+                "solver/reward_mean": 0.2 * f64::from(step),
+                "solver/loss": -0.5,
+            });
+            format!("{line}\n")
+        })
+        .collect();
+    std::fs::write(dir.join("metrics.jsonl"), lines).unwrap();
+    let runs = load_runs(&[dir]).unwrap();
+    let charts = agents::agent_charts(&runs, 0.0);
+    let ids: Vec<&str> = charts.iter().map(|c| c.id.as_str()).collect();
+    assert_eq!(ids, ["agents_reward", "agents_loss"]);
+    let reward = &charts[0];
+    let labels: Vec<&str> = reward.series.iter().map(|s| s.label.as_str()).collect();
+    assert_eq!(labels, ["proposer", "solver"]);
+    assert_eq!(
+        reward.series[1].points,
+        [(1.0, 0.2), (2.0, 0.4), (3.0, 0.6000000000000001)]
+    );
+    assert_ne!(reward.series[0].color, reward.series[1].color);
+    assert_eq!(charts[1].series.len(), 1, "only the solver logged a loss");
+    assert!(render(&runs, 0.0).html.contains("Reward per agent"));
+    // A single-policy run has no per-agent chart.
+    let single = run_dir(root.path(), "single", &[0.1, 0.2], "");
+    assert!(agents::agent_charts(&load_runs(&[single]).unwrap(), 0.0).is_empty());
+}

@@ -12,11 +12,13 @@ mod checkpoint;
 mod checkpointing;
 mod cursor;
 mod metrics;
+mod multi_agent;
 mod offline;
 mod pipeline;
 mod ppo;
 mod refill;
 mod rl_step;
+mod run_output;
 mod sampler;
 mod sft;
 mod snapshot;
@@ -42,6 +44,7 @@ use crate::roles::{
 
 use checkpointing::{CheckpointTimes, CheckpointWrite};
 use pipeline::{Pipeline, StepSamples};
+use run_output::prepare_output;
 use sampler::{Sampler, Trajectory};
 
 pub use advantage::group_advantages;
@@ -50,6 +53,7 @@ pub use batching::{pack_by_token_budget, padded_tokens};
 pub use checkpoint::{Checkpoint, CheckpointError, CheckpointStore, verify};
 pub use cursor::{DataCursor, mix};
 pub use metrics::MetricsLog;
+pub use multi_agent::{Agent, MultiAgentController, Team};
 pub use snapshot::{HostTensor, SnapshotFile, SnapshotFiles, write_files};
 pub use state::{DataPosition, RunState};
 
@@ -179,7 +183,7 @@ impl<'a> Controller<'a> {
 
     pub async fn run(&mut self, start: Start) -> Result<Summary, RunError> {
         let started = Instant::now();
-        self.prepare_output(start)?;
+        prepare_output(self.config, start)?;
         let resumed = if start == Start::Resume {
             self.resume().await?
         } else {
@@ -407,57 +411,6 @@ impl<'a> Controller<'a> {
         self.interrupted.load(Ordering::SeqCst)
     }
 
-    fn prepare_output(&self, start: Start) -> Result<(), RunError> {
-        let dir = &self.config.run.output_dir;
-        // Only files with content count as a previous run: a run that failed before its
-        // first step can be started again as it is.
-        let previous: Vec<&str> = [
-            "metrics.jsonl",
-            "checkpoints",
-            "sft_metrics.jsonl",
-            "samples.jsonl",
-            "summary.json",
-            "ledger.jsonl",
-        ]
-        .into_iter()
-        .filter(|name| {
-            let path = dir.join(name);
-            match std::fs::metadata(&path) {
-                Ok(meta) if meta.is_dir() => {
-                    std::fs::read_dir(&path).is_ok_and(|mut d| d.next().is_some())
-                }
-                Ok(meta) => meta.len() > 0,
-                Err(_) => false,
-            }
-        })
-        .collect();
-        match start {
-            Start::Fresh if !previous.is_empty() => {
-                return Err(RunError::OutputExists {
-                    dir: dir.clone(),
-                    what: previous.join(", "),
-                });
-            }
-            Start::Overwrite => {
-                for name in previous {
-                    let path = dir.join(name);
-                    let removed = if path.is_dir() {
-                        std::fs::remove_dir_all(&path)
-                    } else {
-                        std::fs::remove_file(&path)
-                    };
-                    removed.map_err(|source| io_error("cannot remove", &path, source))?;
-                }
-            }
-            _ => {}
-        }
-        std::fs::create_dir_all(dir).map_err(|source| io_error("cannot create", dir, source))?;
-        let resolved = self.output("config.toml");
-        let text = toml::to_string_pretty(self.config).unwrap_or_default();
-        std::fs::write(&resolved, text)
-            .map_err(|source| io_error("cannot write", &resolved, source))
-    }
-
     async fn resume(&mut self) -> Result<bool, RunError> {
         let Some(checkpoint) = self.store.latest_valid()? else {
             tracing::info!("no checkpoint to resume from; starting from scratch");
@@ -534,56 +487,22 @@ impl<'a> Controller<'a> {
     }
 
     fn summary(&self, started: Instant) -> Summary {
-        let history = &self.state.reward_history;
-        let window = SUMMARY_WINDOW.min(history.len());
-        let (first, last) = if window == 0 {
-            (None, None)
-        } else {
-            (
-                Some(mean(&history[..window])),
-                Some(mean(&history[history.len() - window..])),
-            )
-        };
-        Summary {
-            steps_completed: self.state.step,
-            first_rewards_mean: first,
-            last_rewards_mean: last,
-            checkpoint: self.last_checkpoint.clone(),
-            wall_seconds: started.elapsed().as_secs_f64(),
-        }
+        Summary::of(&self.state, self.last_checkpoint.clone(), started)
     }
 
     fn write_summary(&self, summary: &Summary) -> Result<(), RunError> {
-        let value = json!({
-            "name": self.config.run.name,
-            "steps_completed": summary.steps_completed,
-            "steps_planned": self.config.run.steps,
-            "interrupted": self.stopping(),
-            "reward_mean_first_steps": summary.first_rewards_mean,
-            "reward_mean_last_steps": summary.last_rewards_mean,
-            "summary_window": SUMMARY_WINDOW,
-            "checkpoint": summary.checkpoint,
-            "wall_seconds": summary.wall_seconds,
+        let times = json!({
             "checkpoints_written": self.checkpoint_times.written,
             "checkpoint_blocked_seconds": self.checkpoint_times.blocked_seconds,
             "checkpoint_write_seconds": self.checkpoint_times.write_seconds,
         });
-        let path = self.output("summary.json");
-        let text = serde_json::to_string_pretty(&value).unwrap_or_default();
-        std::fs::write(&path, text).map_err(|source| io_error("cannot write", &path, source))?;
-        Ok(())
+        summary.write(self.config, self.stopping(), times)
     }
 
     /// Tells the observers the run ended (also after an interruption).
     pub async fn finish(&self, summary: Option<&Summary>) {
-        let value = json!({
-            "steps_completed": self.state.step,
-            "interrupted": self.stopping(),
-            "reward_mean_first_steps": summary.and_then(|s| s.first_rewards_mean),
-            "reward_mean_last_steps": summary.and_then(|s| s.last_rewards_mean),
-            "checkpoint": self.last_checkpoint,
-        });
-        self.roles.observer.run_ended(value).await;
+        let ended = Summary::ended(&self.state, self.stopping(), summary, &self.last_checkpoint);
+        self.roles.observer.run_ended(ended).await;
     }
 }
 

@@ -229,11 +229,17 @@ impl<'a> Controller<'a> {
 
     /// Linear warm-up over `train.warmup_steps` RL updates, then constant.
     pub(super) fn learning_rate(&self, weight_version: u64) -> f64 {
-        let train = &self.config.train;
         let rl_updates = weight_version.saturating_sub(self.state.sft_step) + 1;
-        if train.warmup_steps == 0 {
-            return train.learning_rate;
-        }
-        train.learning_rate * (rl_updates as f64 / train.warmup_steps as f64).min(1.0)
+        warmed_up(self.config.train.learning_rate, self.config, rl_updates)
     }
+}
+
+/// `rate` for the `rl_update`-th RL update (from 1): linear warm-up over
+/// `train.warmup_steps` updates, then constant.
+pub(super) fn warmed_up(rate: f64, config: &Config, rl_update: u64) -> f64 {
+    let warmup = config.train.warmup_steps;
+    if warmup == 0 {
+        return rate;
+    }
+    rate * (rl_update as f64 / warmup as f64).min(1.0)
 }

@@ -110,17 +110,7 @@ impl<'a> Sampler<'a> {
     }
 
     pub(super) fn sampling(&self, seed: u64) -> SamplingParams {
-        let rollout = &self.config.rollout;
-        SamplingParams {
-            max_new_tokens: rollout.max_new_tokens,
-            temperature: rollout.temperature,
-            top_p: rollout.top_p,
-            top_k: rollout.top_k,
-            stop_token_ids: rollout.stop_token_ids.clone(),
-            stop_strings: rollout.stop_strings.clone(),
-            ignore_eos: rollout.ignore_eos,
-            seed,
-        }
+        sampling_params(self.config, seed)
     }
 
     /// Generates, scores and computes advantages for the step's groups, one per record of
@@ -579,6 +569,21 @@ impl<'a> Sampler<'a> {
             trajectory.tokens.extend(tokens);
         }
         Ok(still_live)
+    }
+}
+
+/// The sampling parameters of `[rollout]`, seeded.
+pub(super) fn sampling_params(config: &Config, seed: u64) -> SamplingParams {
+    let rollout = &config.rollout;
+    SamplingParams {
+        max_new_tokens: rollout.max_new_tokens,
+        temperature: rollout.temperature,
+        top_p: rollout.top_p,
+        top_k: rollout.top_k,
+        stop_token_ids: rollout.stop_token_ids.clone(),
+        stop_strings: rollout.stop_strings.clone(),
+        ignore_eos: rollout.ignore_eos,
+        seed,
     }
 }
 

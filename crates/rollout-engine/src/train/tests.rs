@@ -22,8 +22,8 @@ use crate::roles::{
 
 /// One character per token id; completions are two tokens, generated with the learner's
 /// current weights (they share them, as in one process).
-struct FakeModel {
-    version: Arc<AtomicU64>,
+pub(super) struct FakeModel {
+    pub(super) version: Arc<AtomicU64>,
 }
 
 impl Tokenizer for FakeModel {
@@ -122,12 +122,14 @@ impl Observer for FakeModel {
 /// write of the checkpoint taken at version `held` finishes only once the learner is two
 /// updates further; the write of the one taken at `failing` fails.
 #[derive(Default)]
-struct FakeLearner {
-    version: Arc<AtomicU64>,
+pub(super) struct FakeLearner {
+    pub(super) version: Arc<AtomicU64>,
     trained: watch::Sender<u64>,
     held: Option<u64>,
     failing: Option<u64>,
     log: Mutex<Vec<String>>,
+    /// Per update: the advantage of every trained row.
+    pub(super) trained_rows: Mutex<Vec<Vec<f32>>>,
 }
 
 impl FakeLearner {
@@ -151,13 +153,32 @@ impl FakeLearner {
         }
     }
 
-    fn events(&self) -> Vec<String> {
+    pub(super) fn events(&self) -> Vec<String> {
         self.log.lock().map(|log| log.clone()).unwrap_or_default()
     }
 }
 
 impl Learner for FakeLearner {
-    fn train(&self, _: TrainRequest) -> RoleFuture<'_, TrainResponse> {
+    fn train(&self, request: TrainRequest) -> RoleFuture<'_, TrainResponse> {
+        let rows = request
+            .micro_batches
+            .iter()
+            .flat_map(|batch| {
+                let row_advantage = |row: usize| {
+                    let tokens = row * batch.width..(row + 1) * batch.width;
+                    tokens
+                        .filter(|&t| batch.loss_mask[t] > 0.0)
+                        .map(|t| batch.advantages[t])
+                        .next()
+                };
+                (0..batch.rows)
+                    .filter_map(row_advantage)
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        if let Ok(mut trained) = self.trained_rows.lock() {
+            trained.push(rows);
+        }
         let version = self.version.fetch_add(1, Ordering::SeqCst) + 1;
         self.record(format!("train {version}"));
         self.trained.send_replace(version);
@@ -252,7 +273,7 @@ fn config(output: &Path, steps: u64, every: u64, background: bool) -> Config {
     }
 }
 
-fn records() -> Vec<Record> {
+pub(super) fn records() -> Vec<Record> {
     (0..8)
         .map(|i| Record {
             prompt: format!("{i}+{i}="),

@@ -27,6 +27,7 @@ use tokio::sync::{Notify, mpsc};
 use super::ledger::{Ledger, LedgerCounts, LedgerError};
 use super::remote::send;
 use crate::roles::{Generator, RoleError, RoleFuture, Tokenizer};
+use crate::telemetry::{RoleKind, WorkerHealth};
 use sync::verify;
 
 /// How the pool treats slow, lost and late workers.
@@ -38,6 +39,8 @@ pub struct PoolSettings {
     pub join_timeout: Duration,
     /// Leases per group before it is dropped.
     pub max_attempts: u32,
+    /// Where joins and losses are reported (`/metrics`); the default records nothing.
+    pub health: WorkerHealth,
 }
 
 impl Default for PoolSettings {
@@ -46,6 +49,7 @@ impl Default for PoolSettings {
             lease_timeout: Duration::from_secs(600),
             join_timeout: Duration::from_secs(300),
             max_attempts: 3,
+            health: WorkerHealth::default(),
         }
     }
 }
@@ -117,6 +121,12 @@ pub struct RemoteWorkers {
 
 impl RemoteWorkers {
     pub fn new(workers: Vec<RpcClient>, ledger: Ledger, settings: PoolSettings) -> Self {
+        for client in &workers {
+            let name = &client.peer().name;
+            settings
+                .health
+                .joined(RoleKind::Worker, name, client.heard());
+        }
         Self {
             shared: Arc::new(Shared {
                 members: Mutex::new(workers.into_iter().map(Member::new).collect()),
@@ -161,6 +171,15 @@ impl RemoteWorkers {
             let reason = reason.to_owned();
             let _ = send::<_, Done>(&member.client, &Shutdown { reason }).await;
         }
+        self.report_left();
+    }
+
+    /// Reports every worker still in the pool as down: the run is over.
+    pub fn report_left(&self) {
+        let health = &self.shared.settings.health;
+        for member in lock(&self.shared.members).iter() {
+            health.left(RoleKind::Worker, &member.name, &member.client.heard());
+        }
     }
 }
 
@@ -199,6 +218,10 @@ impl Shared {
             }
         }
         lock(&self.tally).joined += 1;
+        let heard = member.client.heard();
+        self.settings
+            .health
+            .joined(RoleKind::Worker, &member.name, heard);
         self.arrived.notify_waiters();
         tracing::info!("{} joined the run's generation workers", member.name);
         Ok(())
@@ -234,6 +257,9 @@ impl Shared {
         members.retain(|m| !Arc::ptr_eq(m, member));
         if members.len() < before {
             lock(&self.tally).lost += 1;
+            let heard = member.client.heard();
+            let health = &self.settings.health;
+            health.lost(RoleKind::Worker, &member.name, &heard);
             tracing::warn!(
                 "{} left the generation pool ({err}); {} workers remain",
                 member.name,

@@ -14,6 +14,7 @@ use rollout_net::{ClusterKey, rpc::RpcClient};
 use super::{PoolSettings, RemoteWorkers};
 use crate::cluster::ledger::{Ledger, audit};
 use crate::roles::Generator;
+use crate::telemetry::Telemetry;
 
 #[derive(Clone, Copy, PartialEq)]
 enum Fake {
@@ -138,9 +139,14 @@ fn assert_every_prompt_answered(response: &GenerateResponse, prompts: u32) {
 async fn a_worker_lost_mid_request_has_its_groups_generated_by_the_others() {
     let dir = tempfile::tempdir().unwrap();
     let journal = dir.path().join("ledger.jsonl");
+    let telemetry = Telemetry::new();
+    let settings = PoolSettings {
+        health: telemetry.health(),
+        ..PoolSettings::default()
+    };
     let workers = pool(
         &[Fake::Healthy, Fake::DiesOnRequest, Fake::Healthy],
-        PoolSettings::default(),
+        settings,
         &journal,
     )
     .await;
@@ -150,6 +156,19 @@ async fn a_worker_lost_mid_request_has_its_groups_generated_by_the_others() {
     let metrics = workers.step_trained(1).await.unwrap();
     assert_eq!(metrics["workers"], 2.0);
     assert_eq!(metrics["workers_lost"], 1.0);
+    // `/metrics` shows who is up and who was lost.
+    let text = telemetry.render().unwrap();
+    for series in [
+        "rollout_worker_up{role=\"worker\",worker=\"fake-0\"} 1",
+        "rollout_worker_up{role=\"worker\",worker=\"fake-1\"} 0",
+        "rollout_worker_losses_total{role=\"worker\",worker=\"fake-1\"} 1",
+        "rollout_worker_losses_total{role=\"worker\",worker=\"fake-2\"} 0",
+    ] {
+        assert!(text.lines().any(|line| line == series), "{series}\n{text}");
+    }
+    workers.report_left();
+    let text = telemetry.render().unwrap();
+    assert!(!text.contains("rollout_worker_up{role=\"worker\",worker=\"fake-2\"} 1"));
     // Round-robin gave the dying worker 4 of the 12 groups; they were leased again.
     assert_eq!(metrics["leases_revoked"], 4.0);
     assert_eq!(metrics["leases"], 16.0);
