@@ -351,10 +351,9 @@ def test_bad_options_are_config_errors(spec: str, options: dict, message: str):
 
 
 def test_a_multi_agent_runs_sample_table_names_the_agent() -> None:
-    samples = [
-        {"step": 1, "agent": "solver", "prompt": "3+4=", "completion": "7", "reward": 1.0, "advantage": 0.5},
-        {"step": 1, "agent": "proposer", "prompt": "sum: ", "completion": "3+4", "reward": 1.25, "advantage": -0.5},
-    ]
+    solver = {"step": 1, "agent": "solver", "prompt": "3+4=", "completion": "7", "reward": 1.0}
+    proposer = {"step": 1, "agent": "proposer", "prompt": "sum: ", "completion": "3+4", "reward": 1.25}
+    samples = [{**solver, "advantage": 0.5}, {**proposer, "advantage": -0.5}]
     header, _, first, second = markdown_table(samples).splitlines()
     assert header == "| agent | " + " | ".join(SAMPLE_COLUMNS) + " |"
     assert first.startswith("| solver | 1 | 3+4= | 7 |")

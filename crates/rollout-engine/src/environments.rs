@@ -3,25 +3,20 @@
 //! the sandbox's environment pool, where a call that raises, hangs, crashes or runs out of
 //! memory costs its episode only.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use crate::config::{Config, LoadedConfig};
+use crate::live_episodes::LiveEpisodes;
 use crate::local::LocalError;
 use crate::plugins::{
-    EnvironmentPlugin, Episode, PluginError, environment_pool_spec, sandbox_launch,
-    sandbox_load_error,
+    EnvironmentPlugin, environment_pool_spec, sandbox_launch, sandbox_load_error,
 };
 use crate::python::PythonWorker;
 use crate::roles::{EpisodeResult, EpisodeStart, RoleError, StepOutcome};
 use crate::sandbox::{EnvironmentPool, FailureLedger};
 
 pub enum EpisodeHost {
-    /// Live episodes by id; their Python objects are dropped inside `finish`, on the worker.
-    InProcess {
-        plugin: Arc<EnvironmentPlugin>,
-        live: Arc<Mutex<HashMap<u64, Episode>>>,
-    },
+    InProcess(LiveEpisodes<EnvironmentPlugin>),
     Sandboxed(Box<EnvironmentPool>),
 }
 
@@ -40,10 +35,7 @@ impl EpisodeHost {
         ledger: Arc<FailureLedger>,
     ) -> Result<Option<Self>, LocalError> {
         if let Some(plugin) = in_process {
-            return Ok(Some(EpisodeHost::InProcess {
-                plugin: Arc::new(plugin),
-                live: Arc::default(),
-            }));
+            return Ok(Some(EpisodeHost::InProcess(LiveEpisodes::new(plugin))));
         }
         if !Self::sandboxed(&loaded.config) {
             return Ok(None);
@@ -67,25 +59,13 @@ impl EpisodeHost {
         first_id: u64,
         starts: Vec<EpisodeStart>,
     ) -> Result<Vec<EpisodeResult<String>>, RoleError> {
-        let (plugin, live) = match self {
-            EpisodeHost::Sandboxed(pool) => {
-                return Ok(pool.start_episodes(first_id, &starts).await?);
+        match self {
+            EpisodeHost::Sandboxed(pool) => Ok(pool.start_episodes(first_id, &starts).await?),
+            EpisodeHost::InProcess(episodes) => {
+                let prompts = episodes.start(worker, first_id, starts).await?;
+                Ok(prompts.into_iter().map(Ok).collect())
             }
-            EpisodeHost::InProcess { plugin, live } => (plugin.clone(), live.clone()),
-        };
-        Ok(worker
-            .run(move |py| {
-                let mut prompts = Vec::with_capacity(starts.len());
-                for (offset, start) in starts.into_iter().enumerate() {
-                    let episode = plugin.new_episode(py)?;
-                    prompts.push(Ok(plugin.reset(py, &episode, &start.record, start.seed)?));
-                    if let Ok(mut live) = live.lock() {
-                        live.insert(first_id.wrapping_add(offset as u64), episode);
-                    }
-                }
-                Ok::<_, PluginError>(prompts)
-            })
-            .await??)
+        }
     }
 
     pub async fn step(
@@ -93,41 +73,19 @@ impl EpisodeHost {
         worker: &PythonWorker,
         actions: Vec<(u64, String)>,
     ) -> Result<Vec<EpisodeResult<StepOutcome>>, RoleError> {
-        let (plugin, live) = match self {
-            EpisodeHost::Sandboxed(pool) => return Ok(pool.step(&actions).await?),
-            EpisodeHost::InProcess { plugin, live } => (plugin.clone(), live.clone()),
-        };
-        worker
-            .run(move |py| {
-                let live = live
-                    .lock()
-                    .map_err(|_| RoleError::Protocol("the episode table is poisoned".into()))?;
-                let mut outcomes = Vec::with_capacity(actions.len());
-                for (id, action) in &actions {
-                    let Some(episode) = live.get(id) else {
-                        return Err(RoleError::Protocol(format!("episode {id} is not running")));
-                    };
-                    outcomes.push(Ok(plugin.step(py, episode, action)?));
-                }
-                Ok(outcomes)
-            })
-            .await?
+        match self {
+            EpisodeHost::Sandboxed(pool) => Ok(pool.step(&actions).await?),
+            EpisodeHost::InProcess(episodes) => {
+                let outcomes = episodes.step(worker, actions).await?;
+                Ok(outcomes.into_iter().map(Ok).collect())
+            }
+        }
     }
 
     pub async fn finish(&self, worker: &PythonWorker, ids: Vec<u64>) -> Result<(), RoleError> {
-        let live = match self {
-            EpisodeHost::Sandboxed(pool) => return Ok(pool.finish(&ids).await?),
-            EpisodeHost::InProcess { live, .. } => live.clone(),
-        };
-        worker
-            .run(move |_py| {
-                if let Ok(mut live) = live.lock() {
-                    for id in ids {
-                        live.remove(&id);
-                    }
-                }
-            })
-            .await?;
-        Ok(())
+        match self {
+            EpisodeHost::Sandboxed(pool) => Ok(pool.finish(&ids).await?),
+            EpisodeHost::InProcess(episodes) => episodes.finish(worker, ids).await,
+        }
     }
 }

@@ -6,7 +6,7 @@ pub mod config;
 pub mod engine;
 pub mod environments;
 pub mod generation;
-pub mod joint_episodes;
+pub mod live_episodes;
 pub mod local;
 pub mod plan;
 pub mod plugins;

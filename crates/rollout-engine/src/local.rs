@@ -19,7 +19,7 @@ use crate::cluster::weights::{TensorBytes, VersionBuffer};
 use crate::config::{ClusterConfig, KeyPath, LoadedConfig, PluginConfig};
 use crate::environments::EpisodeHost;
 use crate::generation::PagedGenerator;
-use crate::joint_episodes::JointEpisodes;
+use crate::live_episodes::LiveEpisodes;
 use crate::plugins::{
     CallbackSet, DataPlugins, EnvironmentPlugin, MultiAgentEnvironmentPlugin, PluginError,
     PluginLoadError, PolicyPlugin, Record, RewardSet, Sdk,
@@ -379,7 +379,7 @@ pub struct Services {
     rewards: Scoring,
     environment: Option<EpisodeHost>,
     /// A multi-agent run's environment (then `environment` is `None`).
-    joint: Option<JointEpisodes>,
+    joint: Option<LiveEpisodes<MultiAgentEnvironmentPlugin>>,
     callbacks: Arc<CallbackSet>,
     data: Arc<DataPlugins>,
 }
@@ -420,7 +420,7 @@ impl Services {
             worker,
             rewards,
             environment,
-            joint: joint.map(JointEpisodes::new),
+            joint: joint.map(LiveEpisodes::new),
             callbacks: Arc::new(callbacks),
             data: Arc::new(data),
         })
@@ -496,13 +496,6 @@ impl Environments for Services {
 }
 
 impl MultiAgentEnvironments for Services {
-    fn agents(&self) -> Vec<String> {
-        self.joint
-            .as_ref()
-            .map(JointEpisodes::agents)
-            .unwrap_or_default()
-    }
-
     fn start(&self, first_id: u64, starts: Vec<EpisodeStart>) -> RoleFuture<'_, Vec<AgentTurn>> {
         let episodes = starts.len();
         let span = move || tracing::info_span!("env.start", episodes);

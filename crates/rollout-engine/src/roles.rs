@@ -162,8 +162,6 @@ pub struct JointOutcome {
 
 /// Episodes in which several agents take turns; a call that fails fails the run.
 pub trait MultiAgentEnvironments: Send + Sync {
-    /// The agents the environment hands turns to.
-    fn agents(&self) -> Vec<String>;
     /// Starts episodes and returns their first turns; episode `i` has id `first_id + i`.
     fn start(&self, first_id: u64, episodes: Vec<EpisodeStart>) -> RoleFuture<'_, Vec<AgentTurn>>;
     /// One outcome per action (the text of the turn last handed to that episode), in order.

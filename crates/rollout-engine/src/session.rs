@@ -39,10 +39,7 @@ impl Session {
         let policy = PolicyHost::load(worker.clone(), &loaded)
             .instrument(tracing::info_span!("policy.load"))
             .await?;
-        let services = Services::load(worker, &loaded)
-            .instrument(tracing::info_span!("services.load"))
-            .await?;
-        let records = services.records().await?;
+        let (services, records) = open_services(worker, &loaded).await?;
         Ok(Session {
             loaded,
             policy,
@@ -227,4 +224,16 @@ pub(crate) async fn start_python(loaded: &LoadedConfig) -> Result<Arc<PythonWork
         .await
         .map_err(|err| PythonError::Setup(format!("the Python start-up task failed: {err}")))??;
     Ok(Arc::new(worker))
+}
+
+/// Loads every plugin but the policy and reads the data.
+pub(crate) async fn open_services(
+    worker: Arc<PythonWorker>,
+    loaded: &LoadedConfig,
+) -> Result<(Services, Vec<Record>), SessionError> {
+    let services = Services::load(worker, loaded)
+        .instrument(tracing::info_span!("services.load"))
+        .await?;
+    let records = services.records().await?;
+    Ok((services, records))
 }

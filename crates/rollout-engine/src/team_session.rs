@@ -10,7 +10,7 @@ use crate::config::LoadedConfig;
 use crate::local::{PolicyHost, Services};
 use crate::plugins::Record;
 use crate::roles::{Observer, RoleError};
-use crate::session::{SessionError, start_python};
+use crate::session::{SessionError, open_services, start_python};
 use crate::telemetry::{Observed, Telemetry};
 use crate::train::{Agent, MultiAgentController, Start, Summary, Team};
 
@@ -47,10 +47,7 @@ impl TeamSession {
                 policy,
             });
         }
-        let services = Services::load(worker, &loaded)
-            .instrument(tracing::info_span!("services.load"))
-            .await?;
-        let records = services.records().await?;
+        let (services, records) = open_services(worker, &loaded).await?;
         Ok(TeamSession {
             loaded,
             agents,

@@ -4,6 +4,7 @@ use pyo3::prelude::*;
 
 use super::{PluginError, PluginLoadError, PluginRef};
 use crate::config::{KeyPath, LoadedConfig};
+use crate::live_episodes::EpisodePlugin;
 use crate::python::convert::json_to_py;
 use crate::roles::StepOutcome;
 
@@ -17,12 +18,45 @@ pub struct EnvironmentPlugin {
 pub struct Episode(Py<PyAny>);
 
 impl Episode {
-    pub(super) fn new(instance: Py<PyAny>) -> Self {
-        Episode(instance)
+    /// A fresh instance of `prototype`'s class, built from the same `Config`.
+    pub(super) fn of(prototype: &PluginRef, py: Python<'_>) -> Result<Self, PluginError> {
+        let object = prototype.object.bind(py);
+        object
+            .getattr("config")
+            .and_then(|config| object.get_type().call1((config,)))
+            .map(|instance| Episode(instance.unbind()))
+            .map_err(|err| prototype.raised(py, "__init__", &err))
     }
 
-    pub(super) fn object<'py>(&self, py: Python<'py>) -> &Bound<'py, PyAny> {
-        self.0.bind(py)
+    /// Calls the episode's `reset(record, seed=seed)`.
+    pub(super) fn reset<'py>(
+        &self,
+        prototype: &PluginRef,
+        py: Python<'py>,
+        record: &serde_json::Value,
+        seed: u64,
+    ) -> Result<Bound<'py, PyAny>, PluginError> {
+        let raised = |err: PyErr| prototype.raised(py, "reset", &err);
+        let record = json_to_py(py, record).map_err(raised)?;
+        let kwargs = pyo3::types::PyDict::new(py);
+        kwargs.set_item("seed", seed).map_err(raised)?;
+        self.0
+            .bind(py)
+            .call_method("reset", (record,), Some(&kwargs))
+            .map_err(raised)
+    }
+
+    /// Calls the episode's `step(action)`.
+    pub(super) fn step<'py>(
+        &self,
+        prototype: &PluginRef,
+        py: Python<'py>,
+        action: &str,
+    ) -> Result<Bound<'py, PyAny>, PluginError> {
+        self.0
+            .bind(py)
+            .call_method1("step", (action,))
+            .map_err(|err| prototype.raised(py, "step", &err))
     }
 }
 
@@ -42,54 +76,40 @@ impl EnvironmentPlugin {
         )?;
         Ok(Some(EnvironmentPlugin { prototype }))
     }
+}
 
-    pub fn new_episode(&self, py: Python<'_>) -> Result<Episode, PluginError> {
-        let hook = "__init__";
-        let prototype = self.prototype.object.bind(py);
-        prototype
-            .getattr("config")
-            .and_then(|config| prototype.get_type().call1((config,)))
-            .map(|instance| Episode(instance.unbind()))
-            .map_err(|err| self.prototype.raised(py, hook, &err))
+impl EpisodePlugin for EnvironmentPlugin {
+    type Start = String;
+    type Outcome = StepOutcome;
+
+    fn new_episode(&self, py: Python<'_>) -> Result<Episode, PluginError> {
+        Episode::of(&self.prototype, py)
     }
 
-    pub fn reset(
+    fn reset(
         &self,
         py: Python<'_>,
         episode: &Episode,
         record: &serde_json::Value,
         seed: u64,
     ) -> Result<String, PluginError> {
-        let hook = "reset";
-        let raised = |err: PyErr| self.prototype.raised(py, hook, &err);
-        let record = json_to_py(py, record).map_err(raised)?;
-        let kwargs = pyo3::types::PyDict::new(py);
-        kwargs.set_item("seed", seed).map_err(raised)?;
         episode
-            .0
-            .bind(py)
-            .call_method(hook, (record,), Some(&kwargs))
-            .map_err(raised)?
+            .reset(&self.prototype, py, record, seed)?
             .extract()
             .map_err(|_| {
                 self.prototype
-                    .bad_return(hook, "must return the first prompt as a str")
+                    .bad_return("reset", "must return the first prompt as a str")
             })
     }
 
-    pub fn step(
+    fn step(
         &self,
         py: Python<'_>,
         episode: &Episode,
         action: &str,
     ) -> Result<StepOutcome, PluginError> {
         let hook = "step";
-        let raised = |err: PyErr| self.prototype.raised(py, hook, &err);
-        let result = episode
-            .0
-            .bind(py)
-            .call_method1(hook, (action,))
-            .map_err(raised)?;
+        let result = episode.step(&self.prototype, py, action)?;
         let bad = || {
             self.prototype
                 .bad_return(hook, "must return a rollout_sdk.StepResult")

@@ -6,7 +6,7 @@ use pyo3::prelude::*;
 
 use super::{Episode, PluginError, PluginLoadError, PluginRef};
 use crate::config::{KeyPath, LoadedConfig};
-use crate::python::convert::json_to_py;
+use crate::live_episodes::EpisodePlugin;
 use crate::roles::{AgentTurn, JointOutcome};
 
 /// The configured multi-agent environment; every episode gets a fresh instance of its class
@@ -59,53 +59,38 @@ impl MultiAgentEnvironmentPlugin {
             agents: declared,
         }))
     }
+}
 
-    pub fn agents(&self) -> &[String] {
-        &self.agents
+impl EpisodePlugin for MultiAgentEnvironmentPlugin {
+    type Start = AgentTurn;
+    type Outcome = JointOutcome;
+
+    fn new_episode(&self, py: Python<'_>) -> Result<Episode, PluginError> {
+        Episode::of(&self.prototype, py)
     }
 
-    pub fn new_episode(&self, py: Python<'_>) -> Result<Episode, PluginError> {
-        let prototype = self.prototype.object.bind(py);
-        prototype
-            .getattr("config")
-            .and_then(|config| prototype.get_type().call1((config,)))
-            .map(|instance| Episode::new(instance.unbind()))
-            .map_err(|err| self.prototype.raised(py, "__init__", &err))
-    }
-
-    pub fn reset(
+    fn reset(
         &self,
         py: Python<'_>,
         episode: &Episode,
         record: &serde_json::Value,
         seed: u64,
     ) -> Result<AgentTurn, PluginError> {
-        let hook = "reset";
-        let raised = |err: PyErr| self.prototype.raised(py, hook, &err);
-        let record = json_to_py(py, record).map_err(raised)?;
-        let kwargs = pyo3::types::PyDict::new(py);
-        kwargs.set_item("seed", seed).map_err(raised)?;
-        let turn = episode
-            .object(py)
-            .call_method(hook, (record,), Some(&kwargs))
-            .map_err(raised)?;
-        self.turn(hook, &turn)?.ok_or_else(|| {
+        let turn = episode.reset(&self.prototype, py, record, seed)?;
+        self.turn("reset", &turn)?.ok_or_else(|| {
             self.prototype
-                .bad_return(hook, "must return an AgentTurn, not None")
+                .bad_return("reset", "must return an AgentTurn, not None")
         })
     }
 
-    pub fn step(
+    fn step(
         &self,
         py: Python<'_>,
         episode: &Episode,
         action: &str,
     ) -> Result<JointOutcome, PluginError> {
         let hook = "step";
-        let result = episode
-            .object(py)
-            .call_method1(hook, (action,))
-            .map_err(|err| self.prototype.raised(py, hook, &err))?;
+        let result = episode.step(&self.prototype, py, action)?;
         let bad = || {
             self.prototype
                 .bad_return(hook, "must return a rollout_sdk.JointStepResult")
@@ -137,7 +122,9 @@ impl MultiAgentEnvironmentPlugin {
             next: self.turn(hook, &next)?,
         })
     }
+}
 
+impl MultiAgentEnvironmentPlugin {
     /// An `AgentTurn` (or `None`) of a declared agent.
     fn turn(
         &self,

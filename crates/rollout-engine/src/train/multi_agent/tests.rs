@@ -25,10 +25,6 @@ struct Relay {
 }
 
 impl MultiAgentEnvironments for Relay {
-    fn agents(&self) -> Vec<String> {
-        vec!["first".into(), "second".into()]
-    }
-
     fn start(&self, first_id: u64, episodes: Vec<EpisodeStart>) -> RoleFuture<'_, Vec<AgentTurn>> {
         let mut turns = self.turns.lock().unwrap();
         let first = (0..episodes.len() as u64)

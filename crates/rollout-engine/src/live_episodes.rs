@@ -1,58 +1,80 @@
-//! Multi-agent episodes on the embedded interpreter: one environment instance per episode,
-//! kept by id between turns.
+//! Episodes played on the embedded interpreter: one environment instance per episode, kept
+//! by id between calls. The single-policy environment and the multi-agent one share this.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use crate::plugins::{Episode, MultiAgentEnvironmentPlugin, PluginError};
-use crate::python::PythonWorker;
-use crate::roles::{AgentTurn, EpisodeStart, JointOutcome, RoleError};
+use pyo3::Python;
 
-pub struct JointEpisodes {
-    plugin: Arc<MultiAgentEnvironmentPlugin>,
+use crate::plugins::{Episode, PluginError};
+use crate::python::PythonWorker;
+use crate::roles::{EpisodeStart, RoleError};
+
+/// An environment plugin whose episodes are instances of its class.
+pub trait EpisodePlugin: Send + Sync + 'static {
+    /// What `reset` answers: the first prompt, or the first turn.
+    type Start: Send + 'static;
+    /// What `step` answers.
+    type Outcome: Send + 'static;
+    fn new_episode(&self, py: Python<'_>) -> Result<Episode, PluginError>;
+    fn reset(
+        &self,
+        py: Python<'_>,
+        episode: &Episode,
+        record: &serde_json::Value,
+        seed: u64,
+    ) -> Result<Self::Start, PluginError>;
+    fn step(
+        &self,
+        py: Python<'_>,
+        episode: &Episode,
+        action: &str,
+    ) -> Result<Self::Outcome, PluginError>;
+}
+
+pub struct LiveEpisodes<P> {
+    plugin: Arc<P>,
     /// Live episodes by id; their Python objects are dropped inside `finish`, on the worker.
     live: Arc<Mutex<HashMap<u64, Episode>>>,
 }
 
-impl JointEpisodes {
-    pub fn new(plugin: MultiAgentEnvironmentPlugin) -> Self {
-        JointEpisodes {
+impl<P: EpisodePlugin> LiveEpisodes<P> {
+    pub fn new(plugin: P) -> Self {
+        LiveEpisodes {
             plugin: Arc::new(plugin),
             live: Arc::default(),
         }
     }
 
-    pub fn agents(&self) -> Vec<String> {
-        self.plugin.agents().to_vec()
-    }
-
+    /// Starts episodes `first_id..`; a call that raises fails them all.
     pub async fn start(
         &self,
         worker: &PythonWorker,
         first_id: u64,
         starts: Vec<EpisodeStart>,
-    ) -> Result<Vec<AgentTurn>, RoleError> {
+    ) -> Result<Vec<P::Start>, RoleError> {
         let (plugin, live) = (self.plugin.clone(), self.live.clone());
         Ok(worker
             .run(move |py| {
-                let mut turns = Vec::with_capacity(starts.len());
+                let mut firsts = Vec::with_capacity(starts.len());
                 for (offset, start) in starts.into_iter().enumerate() {
                     let episode = plugin.new_episode(py)?;
-                    turns.push(plugin.reset(py, &episode, &start.record, start.seed)?);
+                    firsts.push(plugin.reset(py, &episode, &start.record, start.seed)?);
                     if let Ok(mut live) = live.lock() {
                         live.insert(first_id.wrapping_add(offset as u64), episode);
                     }
                 }
-                Ok::<_, PluginError>(turns)
+                Ok::<_, PluginError>(firsts)
             })
             .await??)
     }
 
+    /// One outcome per `(episode id, action)`, in order.
     pub async fn step(
         &self,
         worker: &PythonWorker,
         actions: Vec<(u64, String)>,
-    ) -> Result<Vec<JointOutcome>, RoleError> {
+    ) -> Result<Vec<P::Outcome>, RoleError> {
         let (plugin, live) = (self.plugin.clone(), self.live.clone());
         worker
             .run(move |py| {
