@@ -18,6 +18,8 @@
 #               BASE_IMAGE=docker.io/library/debian:bookworm-slim pulls it instead.
 #   PIP_INSTALL_ARGS  extra `pip install` options for the wheel and its dependencies, e.g.
 #               "--extra-index-url https://download.pytorch.org/whl/cpu" (CPU-only torch) []
+#   CA_BUNDLE   a CA bundle pip must trust (behind a TLS-inspecting proxy, e.g. $PIP_CERT);
+#               mounted for the build only, not copied into the image []
 #   BUILDAH_ISOLATION  how buildah runs RUN steps; when unset and the default (an OCI runtime)
 #               cannot start a container here (e.g. inside another container), chroot
 # Then scripts/image-smoke.sh runs the quickstart inside the image.
@@ -94,9 +96,18 @@ if [ "$tool" = buildah ] && [ -z "${BUILDAH_ISOLATION:-}" ]; then
   buildah rm "$probe" >/dev/null
 fi
 
+# Behind a TLS-inspecting proxy pip needs the proxy's CA: mounted for the build only, never
+# copied into the image.
+ca_mount=()
+if [ -n "${CA_BUNDLE:-}" ]; then
+  [ -f "$CA_BUNDLE" ] || fail "CA_BUNDLE=$CA_BUNDLE is not a file"
+  ca_mount=(--volume "$CA_BUNDLE:/run/rollout-ca.pem:ro")
+  PIP_INSTALL_ARGS="--cert /run/rollout-ca.pem $PIP_INSTALL_ARGS"
+fi
+
 say "building $IMAGE from $BASE_IMAGE with $tool ($wheel_arg${EXTRAS:+, extras $EXTRAS})"
 cd "$ROOT"
-"$tool" build --layers -f Containerfile \
+"$tool" build --layers -f Containerfile "${ca_mount[@]}" \
   --build-arg BASE_IMAGE="$BASE_IMAGE" \
   --build-arg WHEEL="$wheel_arg" \
   --build-arg EXTRAS="$EXTRAS" \
