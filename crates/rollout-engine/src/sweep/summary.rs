@@ -90,25 +90,14 @@ fn as_object<S: serde::Serializer>(
     serializer.collect_map(values.iter().map(|(key, value)| (key, value)))
 }
 
-/// The column headers, the grid's keys among them.
-fn headers(keys: &[String], seeds: bool) -> Vec<String> {
+/// The column headers: the run, the grid's keys (and the seed), then `columns`.
+fn headers(keys: &[String], seeds: bool, columns: &[&str]) -> Vec<String> {
     let mut headers = vec!["run".to_owned()];
     headers.extend(keys.iter().cloned());
     if seeds {
         headers.push("seed".into());
     }
-    headers.extend(
-        [
-            "status",
-            "steps",
-            "final reward",
-            "best reward",
-            "samples/s",
-            "tokens/s",
-            "wall s",
-        ]
-        .map(str::to_owned),
-    );
+    headers.extend(columns.iter().map(|&c| c.to_owned()));
     headers
 }
 
@@ -144,7 +133,19 @@ pub fn markdown(keys: &[String], seeds: bool, rows: &[Row]) -> String {
         let escaped: Vec<String> = cells.iter().map(|c| c.replace('|', "\\|")).collect();
         format!("| {} |\n", escaped.join(" | "))
     };
-    let headers = headers(keys, seeds);
+    let headers = headers(
+        keys,
+        seeds,
+        &[
+            "status",
+            "steps",
+            "final reward",
+            "best reward",
+            "samples/s",
+            "tokens/s",
+            "wall s",
+        ],
+    );
     let mut text = line(&headers);
     text.push_str(&line(&vec!["---".to_owned(); headers.len()]));
     for row in rows {
@@ -155,13 +156,10 @@ pub fn markdown(keys: &[String], seeds: bool, rows: &[Row]) -> String {
 
 /// The table as CSV (RFC 4180 quoting), with raw numbers and the run's directory.
 pub fn csv(keys: &[String], seeds: bool, rows: &[Row]) -> String {
-    let mut headers = vec!["run".to_owned()];
-    headers.extend(keys.iter().cloned());
-    if seeds {
-        headers.push("seed".into());
-    }
-    headers.extend(
-        [
+    let headers = headers(
+        keys,
+        seeds,
+        &[
             "status",
             "steps_logged",
             "steps_planned",
@@ -172,8 +170,7 @@ pub fn csv(keys: &[String], seeds: bool, rows: &[Row]) -> String {
             "tokens_per_second",
             "wall_seconds",
             "dir",
-        ]
-        .map(str::to_owned),
+        ],
     );
     let raw = |value: Option<f64>| value.map_or_else(String::new, |v| v.to_string());
     let mut text = csv_line(&headers);

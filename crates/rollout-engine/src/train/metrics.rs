@@ -66,6 +66,50 @@ fn truncate_after(path: &Path, step: u64) -> std::io::Result<()> {
     fs::rename(tmp, path)
 }
 
+/// A run's `metrics.jsonl` and, with `run.log_samples`, its `samples.jsonl`.
+pub(super) struct StepLogs {
+    pub metrics: MetricsLog,
+    samples: Option<MetricsLog>,
+}
+
+impl StepLogs {
+    /// Opens both in `run.output_dir`; a resumed run keeps the lines through `resumed_step`.
+    pub(super) fn open(
+        config: &crate::config::Config,
+        resumed_step: Option<u64>,
+    ) -> Result<Self, super::RunError> {
+        let open = |name: &str| {
+            let path = config.run.output_dir.join(name);
+            MetricsLog::open(&path, resumed_step)
+                .map_err(|source| super::io_error("cannot open", &path, source))
+        };
+        Ok(StepLogs {
+            metrics: open("metrics.jsonl")?,
+            samples: (config.run.log_samples > 0)
+                .then(|| open("samples.jsonl"))
+                .transpose()?,
+        })
+    }
+
+    /// Appends a step's logged samples, then its metrics line.
+    pub(super) fn append(
+        &mut self,
+        line: &serde_json::Value,
+        samples: &[serde_json::Value],
+    ) -> Result<(), super::RunError> {
+        let written = |log: &mut MetricsLog, value| {
+            log.append(value)
+                .map_err(|source| super::io_error("cannot write", log.path(), source))
+        };
+        if let Some(log) = self.samples.as_mut() {
+            for sample in samples {
+                written(log, sample)?;
+            }
+        }
+        written(&mut self.metrics, line)
+    }
+}
+
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {

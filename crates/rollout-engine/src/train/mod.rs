@@ -53,6 +53,7 @@ pub use batching::{pack_by_token_budget, padded_tokens};
 pub use checkpoint::{Checkpoint, CheckpointError, CheckpointStore, verify};
 pub use cursor::{DataCursor, mix};
 pub use metrics::MetricsLog;
+use metrics::StepLogs;
 pub use multi_agent::{Agent, MultiAgentController, Team};
 pub use snapshot::{HostTensor, SnapshotFile, SnapshotFiles, write_files};
 pub use state::{DataPosition, RunState};
@@ -217,20 +218,7 @@ impl<'a> Controller<'a> {
 
     /// The warm start, if any, and the RL steps, checkpointing when due.
     async fn train(&mut self, resumed: bool, started: Instant) -> Result<(), RunError> {
-        let mut metrics = MetricsLog::open(
-            &self.output("metrics.jsonl"),
-            resumed.then_some(self.state.step),
-        )
-        .map_err(|source| io_error("cannot open", &self.output("metrics.jsonl"), source))?;
-        let mut samples = if self.config.run.log_samples > 0 {
-            let path = self.output("samples.jsonl");
-            Some(
-                MetricsLog::open(&path, resumed.then_some(self.state.step))
-                    .map_err(|source| io_error("cannot open", &path, source))?,
-            )
-        } else {
-            None
-        };
+        let mut logs = StepLogs::open(self.config, resumed.then_some(self.state.step))?;
         if resumed {
             self.roles.generator.resumed_from(self.state.step).await?;
         }
@@ -254,7 +242,7 @@ impl<'a> Controller<'a> {
             .await;
 
         if !self.config.algorithm.name.samples() {
-            return self.offline_steps(&mut metrics).await;
+            return self.offline_steps(&mut logs.metrics).await;
         }
         if let Some(sft) = &self.config.sft {
             if self.state.sft_step < sft.steps {
@@ -329,13 +317,6 @@ impl<'a> Controller<'a> {
                     json!(started.elapsed().as_secs_f64()),
                 );
             }
-            if let Some(samples) = samples.as_mut() {
-                for sample in &logged {
-                    samples
-                        .append(sample)
-                        .map_err(|source| io_error("cannot write", samples.path(), source))?;
-                }
-            }
             self.state.step = step;
             if let Some(position) = positions.remove(&step) {
                 self.state.data = position;
@@ -343,9 +324,7 @@ impl<'a> Controller<'a> {
             if let Some(reward) = line.get("reward_mean").and_then(Value::as_f64) {
                 self.state.reward_history.push(reward);
             }
-            metrics
-                .append(&line)
-                .map_err(|source| io_error("cannot write", metrics.path(), source))?;
+            logs.append(&line, &logged)?;
             self.roles
                 .observer
                 .step_ended(step, line)

@@ -18,8 +18,9 @@ use serde_json::{Value, json};
 use tracing::Instrument;
 
 use super::cursor::{DataCursor, mix};
+use super::metrics::StepLogs;
 use super::run_output::prepare_output;
-use super::{CheckpointStore, MetricsLog, RunError, RunState, Start, Summary, io_error};
+use super::{CheckpointStore, RunError, RunState, Start, Summary, io_error};
 use crate::config::Config;
 use crate::plugins::Record;
 use crate::roles::{Generator, Learner, MultiAgentEnvironments, Observer, RunStarted, Tokenizer};
@@ -116,21 +117,12 @@ impl<'a> MultiAgentController<'a> {
     }
 
     async fn train(&mut self, resumed: bool, started: Instant) -> Result<(), RunError> {
-        let output = &self.config.run.output_dir;
-        let keep = resumed.then_some(self.state.step);
-        let open = |name: &str| {
-            let path = output.join(name);
-            MetricsLog::open(&path, keep).map_err(|source| io_error("cannot open", &path, source))
-        };
-        let mut metrics = open("metrics.jsonl")?;
-        let mut samples = (self.config.run.log_samples > 0)
-            .then(|| open("samples.jsonl"))
-            .transpose()?;
+        let mut logs = StepLogs::open(self.config, resumed.then_some(self.state.step))?;
         self.team
             .observer
             .run_started(RunStarted {
                 name: self.config.run.name.clone(),
-                output_dir: output.clone(),
+                output_dir: self.config.run.output_dir.clone(),
                 total_steps: self.config.run.steps,
                 start_step: self.state.step,
                 config: serde_json::to_value(self.config).unwrap_or(Value::Null),
@@ -156,16 +148,7 @@ impl<'a> MultiAgentController<'a> {
             if let Some(reward) = line.get("reward_mean").and_then(Value::as_f64) {
                 self.state.reward_history.push(reward);
             }
-            metrics
-                .append(&line)
-                .map_err(|source| io_error("cannot write", metrics.path(), source))?;
-            if let Some(samples) = samples.as_mut() {
-                for sample in &logged {
-                    samples
-                        .append(sample)
-                        .map_err(|source| io_error("cannot write", samples.path(), source))?;
-                }
-            }
+            logs.append(&line, &logged)?;
             self.team
                 .observer
                 .step_ended(step, line)
