@@ -105,9 +105,15 @@ def test_a_resumed_multi_agent_run_is_identical(tmp_path: Path, artifacts: Path)
     ]
 
 
-def test_agents_must_match_the_environment_and_run_in_one_process(tmp_path: Path, artifacts: Path) -> None:  # noqa: F811
+def test_check_lists_the_agents_and_refuses_mismatches(tmp_path: Path, artifacts: Path) -> None:  # noqa: F811
     config = write_config(tmp_path, artifacts, steps=2)
     agents_line = config.read_text().splitlines().index("[agents.proposer]") + 1
+
+    checked = rollout("check", str(config))
+    assert checked.returncode == 0, checked.stderr[-3000:]
+    agents = [line.split()[1] for line in checked.stdout.splitlines() if line.strip().startswith("agent ")]
+    assert agents == ["proposer", "solver"], checked.stdout
+    assert "(learning rate 0.02)" in checked.stdout and "ProposerSolver" in checked.stdout
 
     renamed = rollout("check", str(config), "--set", "agents.teacher={}")
     assert renamed.returncode == 2, renamed.stderr
