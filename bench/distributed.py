@@ -48,7 +48,7 @@ BUCKET_BYTES = 8 << 20
 def cargo_example(name: str) -> Path:
     env = {**os.environ, "PYO3_PYTHON": sys.executable}
     subprocess.run(
-        ["cargo", "build", "--release", "--quiet", "-p", "rollout-engine", "--example", name],
+        ["cargo", "build", "--release", "--quiet", "-p", "rollout-core", "--example", name],
         cwd=REPO,
         env=env,
         check=True,

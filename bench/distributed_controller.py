@@ -1,6 +1,6 @@
 """Controller capacity with simulated generation workers (no model).
 
-Runs the ``controller_capacity`` example of the rollout-engine crate: 1 to 64 simulated
+Runs the ``controller_capacity`` example of the rollout-core crate: 1 to 64 simulated
 generation workers, each a loopback TCP server behind an authenticated link that answers every
 ``GenerateRequest`` at once, and the product's ``RemoteWorkers`` dealing requests out to them
 and reassembling the groups. Simulated work costs nothing, so what is measured is the
@@ -44,7 +44,7 @@ TARGET_P99_MS = 5.0
 Configuration = dict[str, Any]
 
 
-CARGO_RUN = ["cargo", "run", "--release", "--example", "controller_capacity", "-p", "rollout-engine", "--"]
+CARGO_RUN = ["cargo", "run", "--release", "--example", "controller_capacity", "-p", "rollout-core", "--"]
 # Longer completions cost the controller more JSON per sample; measured at one worker count.
 SWEEP_WORKERS = "8"
 SWEEP_SHAPES = "64x8x4"

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from rollout_sdk import Callback, RunInfo
+from rollout_sdk import Callback, RunInfo, StepMetrics
 
 __all__ = ["ConsoleProgress", "JsonlMetrics", "format_duration"]
 
@@ -40,7 +40,7 @@ class ConsoleProgress(Callback):
         self.total_steps = info.total_steps
         self.step_seconds = []
 
-    def on_step_end(self, step: int, metrics: Mapping[str, Any]) -> None:
+    def on_step_end(self, step: int, metrics: StepMetrics) -> None:
         if "step_seconds" in metrics:
             self.step_seconds.append(float(metrics["step_seconds"]))
         self.joined += int(metrics.get("workers_joined", 0))
@@ -49,7 +49,7 @@ class ConsoleProgress(Callback):
             print(self.format_line(step, metrics), flush=True)
             self.joined = self.lost = 0
 
-    def format_line(self, step: int, metrics: Mapping[str, Any]) -> str:
+    def format_line(self, step: int, metrics: StepMetrics) -> str:
         total = self.total_steps
         parts = [f"step {step:>{len(str(total))}}/{total}" if total else f"step {step}"]
         if "reward_mean" in metrics:
@@ -105,7 +105,7 @@ class JsonlMetrics(Callback):
         self.path.write_text("".join(kept))
         self.file = self.path.open("a", encoding="utf-8")
 
-    def on_step_end(self, step: int, metrics: Mapping[str, Any]) -> None:
+    def on_step_end(self, step: int, metrics: StepMetrics) -> None:
         if self.file is None:
             raise RuntimeError("JsonlMetrics.on_step_end before on_run_start")
         fields = self.config.fields

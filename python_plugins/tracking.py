@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from rollout_sdk import Callback, RunInfo
+from rollout_sdk import Callback, RunInfo, StepMetrics
 
 __all__ = [
     "RUN_ID_FILE",
@@ -55,7 +55,7 @@ class _Tracker(Callback):
         path = Path(info.output_dir) / "samples.jsonl"
         self.samples = _SampleLog(path) if self.samples_every else None
 
-    def on_step_end(self, step: int, metrics: Mapping[str, Any]) -> None:
+    def on_step_end(self, step: int, metrics: StepMetrics) -> None:
         samples = None
         if self.samples is not None and (step % self.samples_every == 0 or step == self.total_steps):
             # None when the step logged none (e.g. DPO and SFT, which do not sample).

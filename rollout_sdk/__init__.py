@@ -12,10 +12,12 @@ from rollout_sdk.config import ConfigError, build_config
 from rollout_sdk.data import DataSource, Pipeline, Record, Transform
 from rollout_sdk.engine import EngineStep, EngineStepOutput, KvLayout
 from rollout_sdk.environment import Environment, StepResult
+from rollout_sdk.metrics import StepMetrics
 from rollout_sdk.multi_agent import AgentTurn, JointStepResult, MultiAgentEnvironment
 from rollout_sdk.plugin import Plugin, PluginSpecError, load_plugin, resolve_plugin_class
 from rollout_sdk.policy import Policy
 from rollout_sdk.reward import Reward
+from rollout_sdk.snapshot import HostTensor, TensorFile
 from rollout_sdk.types import (
     DpoObjective,
     FinishReason,
@@ -30,7 +32,6 @@ from rollout_sdk.types import (
     SftObjective,
     TokenBatch,
     TrainBatch,
-    objective_from_fields,
 )
 
 __version__ = "0.1.0"
@@ -49,6 +50,7 @@ __all__ = [
     "GenerationRequest",
     "GrpoObjective",
     "GspoObjective",
+    "HostTensor",
     "JointStepResult",
     "KvLayout",
     "MultiAgentEnvironment",
@@ -64,12 +66,13 @@ __all__ = [
     "Sample",
     "SamplingParams",
     "SftObjective",
+    "StepMetrics",
     "StepResult",
+    "TensorFile",
     "TokenBatch",
     "TrainBatch",
     "Transform",
     "build_config",
     "load_plugin",
-    "objective_from_fields",
     "resolve_plugin_class",
 ]

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from rollout_sdk.metrics import StepMetrics
 from rollout_sdk.plugin import Plugin
 
 __all__ = ["Callback", "RunInfo"]
@@ -24,8 +25,8 @@ class Callback(Plugin):
     def on_run_start(self, info: RunInfo) -> None:
         """Called once before the first step (``info.start_step > 0`` when resuming)."""
 
-    def on_step_end(self, step: int, metrics: Mapping[str, Any]) -> None:
-        """Called after every step with the metrics written to ``metrics.jsonl``."""
+    def on_step_end(self, step: int, metrics: StepMetrics) -> None:
+        """Called after every step with the line written to ``metrics.jsonl``."""
 
     def on_checkpoint(self, step: int, path: str) -> None:
         """Called after a checkpoint was completely written."""

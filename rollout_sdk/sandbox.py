@@ -133,12 +133,8 @@ class Worker:
         return {"op": "ready", "pid": os.getpid()}
 
     def score(self, call_id: int, fields: Mapping[str, Any]) -> dict[str, Any]:
-        sample = Sample(
-            prompt=fields["prompt"],
-            completion=fields["completion"],
-            record=fields.get("record") or {},
-            finish_reason=fields.get("finish_reason", "stop"),
-        )
+        # The engine's `ScoreSample`, whose fields are `Sample`'s (a contract test holds them).
+        sample = Sample(**fields)
         self.limit_cpu()
         scores: list[float] = []
         for index, reward in enumerate(self.rewards):

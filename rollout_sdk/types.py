@@ -14,7 +14,6 @@ from typing import Any, Literal
 import numpy as np
 
 __all__ = [
-    "OBJECTIVES",
     "DpoObjective",
     "FinishReason",
     "Generation",
@@ -28,7 +27,6 @@ __all__ = [
     "SftObjective",
     "TokenBatch",
     "TrainBatch",
-    "objective_from_fields",
 ]
 
 FinishReason = Literal["stop", "length"]
@@ -135,22 +133,6 @@ class SftObjective:
 
 
 Objective = GrpoObjective | GspoObjective | PpoObjective | DpoObjective | SftObjective
-
-OBJECTIVES: dict[str, type[Objective]] = {
-    "grpo": GrpoObjective,
-    "gspo": GspoObjective,
-    "ppo": PpoObjective,
-    "dpo": DpoObjective,
-    "sft": SftObjective,
-}
-
-
-def objective_from_fields(name: str, **fields: Any) -> Objective:
-    """The objective the engine sends: its ``name`` and its fields (the wire form)."""
-    if name not in OBJECTIVES:
-        raise ValueError(f"unknown objective `{name}`; known: {', '.join(OBJECTIVES)}")
-    return OBJECTIVES[name](**fields)
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainBatch:

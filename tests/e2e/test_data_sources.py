@@ -3,7 +3,6 @@ the same prompts, in the same order, as the same records read from JSONL."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import datasets
@@ -11,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.e2e.test_rollout_binary import artifacts, run, write_config  # noqa: F401  (a fixture)
+from tests.e2e.harness import read_jsonl, run, samples, write_config
 
 SOURCES = {
     "parquet": "python_plugins.data_formats:ParquetPrompts",
@@ -22,15 +21,14 @@ SOURCES = {
 def step_prompts(directory: Path) -> dict[int, list[str]]:
     """Each step's prompts, in the order samples.jsonl has them."""
     prompts: dict[int, list[str]] = {}
-    for line in (directory / "out" / "samples.jsonl").read_text().splitlines():
-        sample = json.loads(line)
+    for sample in samples(directory):
         prompts.setdefault(sample["step"], []).append(sample["prompt"])
     return prompts
 
 
-def converted(artifacts: Path, tmp_path: Path) -> dict[str, Path]:  # noqa: F811
+def converted(artifacts: Path, tmp_path: Path) -> dict[str, Path]:
     """The tiny addition data's train split as a Parquet file and as a saved dataset."""
-    rows = [json.loads(line) for line in (artifacts / "data" / "train.jsonl").read_text().splitlines()]
+    rows = read_jsonl(artifacts / "data" / "train.jsonl")
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet", row_group_size=10)
     splits = datasets.DatasetDict(
         {"train": datasets.Dataset.from_list(rows), "test": datasets.Dataset.from_list(rows[:4])}
@@ -40,7 +38,7 @@ def converted(artifacts: Path, tmp_path: Path) -> dict[str, Path]:  # noqa: F811
 
 
 @pytest.mark.parametrize("kind", sorted(SOURCES))
-def test_columnar_sources_give_the_jsonl_runs_prompts(tmp_path: Path, artifacts: Path, kind: str) -> None:  # noqa: F811
+def test_columnar_sources_give_the_jsonl_runs_prompts(tmp_path: Path, artifacts: Path, kind: str) -> None:
     paths = converted(artifacts, tmp_path)
     common = ("--set", "run.steps=2", "--set", "run.log_samples=8", "--set", "sft.steps=0")
     jsonl_dir = tmp_path / "run-jsonl"

@@ -8,10 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_netns import assert_valid_checkpoint
-from tests.e2e.test_rollout_binary import ROLLOUT, artifacts, metrics, write_config
-
-__all__ = ["artifacts"]
+from tests.e2e.harness import assert_valid_checkpoint, metrics, run, write_config
 
 # One checkpoint of the test model (weights and optimizer state) is about 480 KiB: the disk
 # holds the warm start's checkpoint and not the next one.
@@ -37,9 +34,7 @@ def small_disk(tmp_path: Path):
 
 def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one(small_disk: Path, artifacts: Path) -> None:
     config = write_config(small_disk, artifacts, steps=6)
-    failed = subprocess.run(
-        [str(ROLLOUT), "run", str(config)], capture_output=True, text=True, cwd=small_disk, timeout=300
-    )
+    failed = run(config, check=False)
     assert failed.returncode != 0
     assert "No space left on device" in failed.stderr, failed.stderr[-3000:]
     assert "panicked" not in failed.stderr
@@ -51,13 +46,7 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one(small_disk: Path
     assert written and written == list(range(1, len(written) + 1))
 
     subprocess.run(["mount", "-o", "remount,size=16m", str(small_disk)], check=True)
-    resumed = subprocess.run(
-        [str(ROLLOUT), "run", str(config), "--resume"],
-        capture_output=True,
-        text=True,
-        cwd=small_disk,
-        timeout=300,
-    )
+    resumed = run(config, "--resume", check=False)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [line["step"] for line in metrics(small_disk)] == [1, 2, 3, 4, 5, 6]
     assert not list(checkpoints.glob("*.partial")), "a half-written checkpoint was left behind"

@@ -12,52 +12,19 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
-
-from tests.e2e.test_rollout_binary import ROLLOUT, artifacts, learning_signal, metrics, run, write_config
-
-__all__ = ["artifacts"]
-
-LAUNCH_TIMEOUT = 300
-TIMING_WORDS = ("seconds", "per_second", "overhead_fraction", "engine/kv_blocks", "engine/kv_occupancy")
-# The generation pool's own bookkeeping, only in runs with separate worker processes.
-POOL_METRICS = (
-    "workers",
-    "workers_joined",
-    "workers_lost",
-    "leases",
-    "leases_revoked",
-    "answers_rejected",
-    "groups_dropped",
+from tests.e2e.harness import (
+    LAUNCH_TIMEOUT,
+    POOL_METRICS,
+    ROLLOUT,
+    cluster,
+    free_port,
+    launch,
+    learning_signal,
+    metrics,
+    run,
+    samples,
+    write_config,
 )
-
-
-def launch(config: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(
-        [str(ROLLOUT), "launch", str(config), *args],
-        capture_output=True,
-        text=True,
-        cwd=config.parent,
-        timeout=LAUNCH_TIMEOUT,
-    )
-    if check and result.returncode != 0:
-        pytest.fail(f"rollout launch exited {result.returncode}\n{result.stderr[-6000:]}")
-    return result
-
-
-def samples(directory: Path) -> list[dict]:
-    lines = (directory / "out" / "samples.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
-
-
-def cluster(workers: int, trainers: int, staleness: int, extra: str = "") -> str:
-    return f"""
-[cluster]
-workers = {workers}
-trainers = {trainers}
-max_staleness = {staleness}
-{extra}
-"""
 
 
 def test_staleness_zero_with_one_worker_and_one_trainer_reproduces_rollout_run(
@@ -68,8 +35,8 @@ def test_staleness_zero_with_one_worker_and_one_trainer_reproduces_rollout_run(
     cluster_dir.mkdir()
     # Same seed and config; the cluster section only matters to `rollout launch`.
     section = cluster(1, 1, 0)
-    run(write_config(local_dir, artifacts, steps=4, extra=section))
-    launched = launch(write_config(cluster_dir, artifacts, steps=4, extra=section))
+    run(write_config(local_dir, artifacts, section, steps=4))
+    launched = launch(write_config(cluster_dir, artifacts, section, steps=4))
     assert "started worker-0" in launched.stderr and "started trainer-0" in launched.stderr
 
     local, remote = metrics(local_dir), metrics(cluster_dir)
@@ -87,10 +54,10 @@ def test_staleness_zero_with_one_worker_and_one_trainer_reproduces_rollout_run(
 def test_two_workers_two_trainers_overlap_generation_within_the_staleness_bound(
     tmp_path: Path, artifacts: Path
 ) -> None:
-    powersgd = 'gradient_compression = "powersgd"\npowersgd_rank = 2\npowersgd_warmup_updates = 2'
-    config = write_config(tmp_path, artifacts, steps=6, extra=cluster(2, 2, 1, powersgd))
-    text = config.read_text().replace("[run]\n", "[run]\nlog_samples = 1000\n", 1)
-    config.write_text(text)
+    powersgd = {"gradient_compression": "powersgd", "powersgd_rank": 2, "powersgd_warmup_updates": 2}
+    config = write_config(
+        tmp_path, artifacts, cluster(2, 2, 1, **powersgd), {"run.log_samples": 1000}, steps=6
+    )
     result = launch(config)
     pids = {int(pid) for pid in re.findall(r"started \S+ \(pid (\d+)\)", result.stderr)}
     assert len(pids) == 4, result.stderr[-3000:]
@@ -116,17 +83,9 @@ def test_two_workers_two_trainers_overlap_generation_within_the_staleness_bound(
     assert versions == sorted(versions) and len(set(versions)) == len(versions)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def test_a_raw_tcp_client_without_the_secret_is_dropped_unparsed(tmp_path: Path, artifacts: Path) -> None:
     port = free_port()
-    config = write_config(
-        tmp_path, artifacts, steps=3, extra=cluster(1, 1, 0, f'listen = "127.0.0.1:{port}"')
-    )
+    config = write_config(tmp_path, artifacts, cluster(1, 1, 0, listen=f"127.0.0.1:{port}"), steps=3)
     process = subprocess.Popen(
         [str(ROLLOUT), "launch", str(config)],
         stdout=subprocess.PIPE,
@@ -171,7 +130,7 @@ def test_a_raw_tcp_client_without_the_secret_is_dropped_unparsed(tmp_path: Path,
 
 
 def test_roles_started_elsewhere_need_the_secret(tmp_path: Path, artifacts: Path) -> None:
-    config = write_config(tmp_path, artifacts, steps=1, extra=cluster(1, 1, 0))
+    config = write_config(tmp_path, artifacts, cluster(1, 1, 0), steps=1)
     result = launch(config, "--external-roles", check=False)
     assert result.returncode != 0
     assert "ROLLOUT_CLUSTER_SECRET" in result.stderr
@@ -179,8 +138,8 @@ def test_roles_started_elsewhere_need_the_secret(tmp_path: Path, artifacts: Path
 
 def test_a_worker_with_the_wrong_secret_cannot_join(tmp_path: Path, artifacts: Path) -> None:
     port = free_port()
-    extra = cluster(1, 1, 0, f'listen = "127.0.0.1:{port}"\njoin_timeout_seconds = 20')
-    config = write_config(tmp_path, artifacts, steps=1, extra=extra)
+    section = cluster(1, 1, 0, listen=f"127.0.0.1:{port}", join_timeout_seconds=20)
+    config = write_config(tmp_path, artifacts, section, steps=1)
     env = {"ROLLOUT_CLUSTER_SECRET": "the right secret, long enough", "PATH": "/usr/bin:/bin"}
     controller = subprocess.Popen(
         [str(ROLLOUT), "launch", str(config), "--external-roles"],
@@ -211,14 +170,14 @@ def test_a_worker_with_the_wrong_secret_cannot_join(tmp_path: Path, artifacts: P
 
 
 def test_tls_links_run_the_same_training(tmp_path: Path, artifacts: Path) -> None:
-    config = write_config(tmp_path, artifacts, steps=2, extra=cluster(1, 1, 0, "tls = true"))
+    config = write_config(tmp_path, artifacts, cluster(1, 1, 0, tls=True), steps=2)
     result = launch(config)
     assert "links are encrypted" in result.stderr
     assert [line["step"] for line in metrics(tmp_path)] == [1, 2]
 
 
 def test_ctrl_c_on_a_launched_run_checkpoints_and_resumes(tmp_path: Path, artifacts: Path) -> None:
-    config = write_config(tmp_path, artifacts, steps=500, extra=cluster(1, 1, 0))
+    config = write_config(tmp_path, artifacts, cluster(1, 1, 0), steps=500)
     # A terminal's Ctrl-C goes to the whole foreground process group: here, the launcher's.
     process = subprocess.Popen(
         [str(ROLLOUT), "launch", str(config), "--set", "checkpoint.every=0"],

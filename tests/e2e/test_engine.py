@@ -4,15 +4,14 @@
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from test_rollout_binary import ROLLOUT
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from python_plugins.quickstart import create_tiny_model
+from tests.e2e.harness import apply, e2e_config, read_jsonl, rollout, write_toml
 
 PROMPTS = [
     "12+34=",
@@ -52,36 +51,31 @@ def generate(
 ) -> tuple[list[dict], dict]:
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    config = tmp_path / "engine.toml"
-    config.write_text(
-        f"""
-[policy]
-plugin = "python_plugins.hf_policy:HFCausalLM"
-options = {{ model_path = "{model_dir}", torch_threads = 1 }}
-
-[data]
-plugin = "python_plugins.data:JsonlPrompts"
-options = {{ path = "{data}" }}
-
-[[rewards]]
-plugin = "python_plugins.rewards:Format"
-options = {{ pattern = ".*" }}
-
-[rollout]
-group_size = 3
-max_new_tokens = {NEW_TOKENS}
-temperature = {temperature}
-ignore_eos = true
-"""
-    )
+    # The base config's policy and data (without a template), sampling only: no run or training.
+    sampling = {
+        "run": None,
+        "data.options.template": None,
+        "rewards": [{"plugin": "python_plugins.rewards:Format", "options": {"pattern": ".*"}}],
+        "rollout": {
+            "prompts_per_step": None,
+            "group_size": 3,
+            "max_new_tokens": NEW_TOKENS,
+            "temperature": temperature,
+            "ignore_eos": True,
+        },
+        "train": None,
+        "sft": None,
+        "checkpoint": None,
+    }
+    config = write_toml(tmp_path / "engine.toml", apply(e2e_config(tmp_path, model_dir, data), sampling))
     output = tmp_path / "completions.jsonl"
-    args = [str(ROLLOUT), "generate", str(config), "--output", str(output)]
+    args = ["--output", str(output)]
     for override in overrides:
         args += ["--set", override]
-    result = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    result = rollout("generate", config, *args, cwd=tmp_path, check=False)
     assert result.returncode == 0, result.stderr
     stats = json.loads(result.stdout.strip().splitlines()[-1])
-    return [json.loads(line) for line in output.read_text().splitlines()], stats
+    return read_jsonl(output), stats
 
 
 def by_prompt(completions: list[dict]) -> dict[int, list[list[int]]]:

@@ -6,88 +6,38 @@ and why, follows from the logged tokens."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-FIXTURES = REPO / "tests" / "fixtures"
-ROLLOUT = Path(os.environ.get("ROLLOUT_BIN", REPO / "target" / "release" / "rollout"))
-sys.path.insert(0, str(FIXTURES))
-
-from sandbox_environments import expected_failure  # noqa: E402
+from tests.e2e.harness import FIXTURES, read_jsonl, run, write_toy_config
+from tests.fixtures.sandbox_environments import expected_failure
 
 STEPS = 3
 PROCESSES = 3
 EOS = 10  # the toy policy's end-of-sequence token
-ANSWERS = {
-    record["prompt"]: record["answer"]
-    for record in map(json.loads, (FIXTURES / "prompts.jsonl").read_text().splitlines())
-}
+ANSWERS = {record["prompt"]: record["answer"] for record in read_jsonl(FIXTURES / "prompts.jsonl")}
 REASONS = ("raised", "timeout", "crashed", "memory", "invalid", "restarted")
+GUESS_NUMBER = {"plugin": "python_plugins.environments:GuessNumber", "options": {"max_turns": 2}}
 
 
-def write_config(directory: Path, *, refuse: str, sandbox: str, environment: str = "") -> Path:
-    environment = (
-        environment
-        or f'plugin = "sandbox_environments:Hostile"\noptions = {{ refuse = "{refuse}", turns = 2 }}'
-    )
-    text = f"""
-[run]
-output_dir = "{directory / "out"}"
-seed = 6
-steps = {STEPS}
-log_samples = 1000
-
-[python]
-paths = ["{FIXTURES}"]
-
-[policy]
-plugin = "toy_plugins:ToyPolicy"
-
-[data]
-plugin = "python_plugins.data:JsonlPrompts"
-options = {{ path = "{FIXTURES / "prompts.jsonl"}" }}
-
-[environment]
-{environment}
-max_turns = 2
-
-[[rewards]]
-plugin = "toy_plugins:DigitSum"
-
-[rollout]
-prompts_per_step = 3
-group_size = 4
-max_new_tokens = 3
-
-[train]
-learning_rate = 0.001
-
-[sandbox]
-{sandbox}
-"""
-    path = directory / "environment_sandbox.toml"
-    path.write_text(text)
-    return path
+def hostile(refuse: str) -> dict:
+    """sandbox_environments:Hostile: its `reset` raises on records whose answer is `refuse`
+    ("*": every record)."""
+    return {"plugin": "sandbox_environments:Hostile", "options": {"refuse": refuse, "turns": 2}}
 
 
-def run(config: Path) -> subprocess.CompletedProcess[str]:
-    if not ROLLOUT.exists():
-        pytest.fail(f"{ROLLOUT} is missing: build it (or set ROLLOUT_BIN)")
-    return subprocess.run(
-        [str(ROLLOUT), "run", str(config)], capture_output=True, text=True, cwd=config.parent, timeout=120
-    )
-
-
-def read_lines(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+def environment_config(directory: Path, *, environment: dict, sandbox: dict) -> Path:
+    """The toy config with a two-turn `environment` in the `sandbox` pool."""
+    overrides = {
+        "run": {"seed": 6, "steps": STEPS},
+        "environment": {**environment, "max_turns": 2},
+        "rollout.max_new_tokens": 3,
+        "sandbox": sandbox,
+    }
+    return write_toy_config(directory, overrides, filename="environment_sandbox.toml")
 
 
 def first_action(sample: dict) -> str:
@@ -130,17 +80,19 @@ def expected_failures(step: list[dict]) -> list[tuple[str, str] | None]:
 
 
 def test_raising_hanging_and_exiting_environments_cost_episodes_not_the_run(tmp_path: Path) -> None:
-    sandbox = (
-        f"processes = {PROCESSES}\ntimeout_seconds = 1.0\n"
-        "max_failed_fraction = 1.0\nmax_failed_fraction_per_step = 1.0"
-    )
-    config = write_config(tmp_path, refuse="15", sandbox=sandbox)
+    sandbox = {
+        "processes": PROCESSES,
+        "timeout_seconds": 1.0,
+        "max_failed_fraction": 1.0,
+        "max_failed_fraction_per_step": 1.0,
+    }
+    config = environment_config(tmp_path, environment=hostile("15"), sandbox=sandbox)
     started = time.monotonic()
-    result = run(config)
+    result = run(config, check=False, timeout=120)
     assert result.returncode == 0, result.stderr
     assert time.monotonic() - started < 60
-    samples = read_lines(tmp_path / "out" / "samples.jsonl")
-    metrics = read_lines(tmp_path / "out" / "metrics.jsonl")
+    samples = read_jsonl(tmp_path / "out" / "samples.jsonl")
+    metrics = read_jsonl(tmp_path / "out" / "metrics.jsonl")
     assert [line["step"] for line in metrics] == list(range(1, STEPS + 1))
     assert len(samples) == STEPS * 3 * 4
     seen: Counter[tuple[str, str] | None] = Counter()
@@ -178,23 +130,25 @@ def test_raising_hanging_and_exiting_environments_cost_episodes_not_the_run(tmp_
 @pytest.mark.parametrize(
     ("limits", "expected"),
     [
-        (
-            "max_failed_fraction = 1.0\nmax_failed_fraction_per_step = 0.5",
+        pytest.param(
+            {"max_failed_fraction": 1.0, "max_failed_fraction_per_step": 0.5},
             "environments failed on 12 of 12 samples in this step (100.0%), "
             "more than sandbox.max_failed_fraction_per_step = 0.5",
+            id="per-step",
         ),
-        (
-            "max_failed_fraction = 0.25",
+        pytest.param(
+            {"max_failed_fraction": 0.25},
             "environments failed on 12 of 12 samples so far in the run (100.0%), "
             "more than sandbox.max_failed_fraction = 0.25",
+            id="whole-run",
         ),
     ],
 )
 def test_too_many_failed_episodes_end_the_run_with_the_fraction_and_the_limit(
-    tmp_path: Path, limits: str, expected: str
+    tmp_path: Path, limits: dict, expected: str
 ) -> None:
-    config = write_config(tmp_path, refuse="*", sandbox=f"processes = 1\n{limits}")
-    result = run(config)
+    config = environment_config(tmp_path, environment=hostile("*"), sandbox={"processes": 1, **limits})
+    result = run(config, check=False, timeout=120)
     assert result.returncode == 1, result.stderr
     assert expected in result.stderr
     assert "12 raised in the environment" in result.stderr
@@ -203,14 +157,14 @@ def test_too_many_failed_episodes_end_the_run_with_the_fraction_and_the_limit(
 
 def test_sandboxed_episodes_are_the_in_process_ones(tmp_path: Path) -> None:
     """Same seeds, same episodes: in the sandbox as in the embedded interpreter."""
-    guess = 'plugin = "python_plugins.environments:GuessNumber"\noptions = { max_turns = 2 }'
     runs = {}
-    for name, sandbox in [("in_process", "processes = 0"), ("sandboxed", "processes = 2")]:
+    for name, processes in [("in_process", 0), ("sandboxed", 2)]:
         directory = tmp_path / name
         directory.mkdir()
-        result = run(write_config(directory, refuse="", sandbox=sandbox, environment=guess))
+        config = environment_config(directory, environment=GUESS_NUMBER, sandbox={"processes": processes})
+        result = run(config, check=False, timeout=120)
         assert result.returncode == 0, result.stderr
-        runs[name] = read_lines(directory / "out" / "samples.jsonl")
+        runs[name] = read_jsonl(directory / "out" / "samples.jsonl")
     fields = ("prompt", "completion", "tokens", "generated", "reward", "advantage", "failed")
     assert [[s[f] for f in fields] for s in runs["sandboxed"]] == [
         [s[f] for f in fields] for s in runs["in_process"]

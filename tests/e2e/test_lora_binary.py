@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,28 +12,20 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from tests.e2e.test_distributed import LAUNCH_TIMEOUT, POOL_METRICS, cluster
-from tests.e2e.test_rollout_binary import ROLLOUT, artifacts, learning_signal, metrics, run, write_config
-
-__all__ = ["artifacts"]
+from tests.e2e.harness import POOL_METRICS, cluster, launch, learning_signal, metrics, run, write_config
 
 # The e2e model: 2 layers, hidden size 32; rank 4 on q/k/v/o: 2 * 4 * (4 * 32 + 32 * 4) floats.
 ADAPTER_BYTES = 2 * 4 * (4 * 32 + 32 * 4) * 4
 STEPS = 4
 # The worker logs every weight version it swaps in, with its size, at debug level.
-WORKER_DEBUG = "info,rollout_engine::cluster::worker=debug"
+WORKER_DEBUG = "info,rollout::processes::worker=debug"
 
 
 def lora_config(directory: Path, artifacts: Path, *, steps: int) -> Path:
     # KL to the reference (the base with the adapters disabled) and the [cluster] section,
     # which `rollout run` ignores, so the local and the launched runs share one config.
-    extra = "\n[algorithm]\nkl_coef = 0.05\n" + cluster(1, 1, 0)
-    config = write_config(directory, artifacts, steps=steps, extra=extra)
-    text = config.read_text().replace(
-        "torch_threads = 1 }", "torch_threads = 1, lora_rank = 4, lora_alpha = 8.0 }"
-    )
-    config.write_text(text)
-    return config
+    lora = {"policy.options": {"lora_rank": 4, "lora_alpha": 8.0}, "algorithm.kl_coef": 0.05}
+    return write_config(directory, artifacts, lora, cluster(1, 1, 0), steps=steps)
 
 
 @pytest.fixture(scope="module")
@@ -81,15 +72,7 @@ def test_launched_lora_run_syncs_only_adapter_bytes_and_matches_rollout_run(
     straight: Path, tmp_path: Path, artifacts: Path
 ) -> None:
     config = lora_config(tmp_path, artifacts, steps=STEPS)
-    result = subprocess.run(
-        [str(ROLLOUT), "launch", str(config)],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        timeout=LAUNCH_TIMEOUT,
-        env={**os.environ, "ROLLOUT_LOG": WORKER_DEBUG},
-    )
-    assert result.returncode == 0, result.stderr[-6000:]
+    result = launch(config, env={**os.environ, "ROLLOUT_LOG": WORKER_DEBUG})
     served = {
         int(version): int(size)
         for version, size in re.findall(r"serving weight version (\d+) \((\d+) bytes", result.stderr)

@@ -12,33 +12,31 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from tests.e2e.test_distributed import cluster, free_port
-from tests.e2e.test_fault_tolerance import finish, gate, gate_config, pids, wait_for
-from tests.e2e.test_rollout_binary import ROLLOUT, artifacts, metrics, write_config
-
-__all__ = ["artifacts"]
+from tests.e2e.harness import (
+    cluster,
+    finish,
+    free_port,
+    gate,
+    gate_config,
+    metrics,
+    pids,
+    start,
+    wait_for,
+    write_config,
+)
 
 STEPS = 3
 OPENMETRICS = "application/openmetrics-text"
 
 
-def start(command: str, config: Path) -> tuple[subprocess.Popen, Path]:
-    log = config.parent / f"{command}.log"
-    process = subprocess.Popen(
-        [str(ROLLOUT), command, str(config)],
-        cwd=config.parent,
-        stdout=subprocess.PIPE,
-        stderr=log.open("w"),
-        text=True,
-    )
-    return process, log
-
-
-def metrics_config(directory: Path, artifacts: Path, port: int, extra: str = "") -> Path:
-    """The e2e run with `/metrics` on `port`, held at each step's end while the gate exists."""
-    metrics_section = f'\n[metrics]\nlisten = "127.0.0.1:{port}"\n'
+def metrics_config(
+    directory: Path, artifacts: Path, port: int, *overrides: dict, callbacks: tuple[dict, ...] = ()
+) -> Path:
+    """The e2e run with `/metrics` on `port`, held at each step's end while the gate exists
+    (then `callbacks`)."""
+    listen = {"metrics.listen": f"127.0.0.1:{port}"}
     return write_config(
-        directory, artifacts, steps=STEPS, extra=extra + metrics_section + gate_config(directory)
+        directory, artifacts, *overrides, listen, gate_config(directory, *callbacks), steps=STEPS
     )
 
 
@@ -119,13 +117,8 @@ def test_launch_serves_the_health_of_every_role_process(tmp_path: Path, artifact
     port = free_port()
     # A second gate holds the run at the end of step 2 only.
     second_gate = tmp_path / "hold-step-2"
-    hold_step_2 = f"""
-[[callbacks]]
-plugin = "gate_plugins:HoldWhileFileExists"
-options = {{ path = "{second_gate}", step = 2 }}
-"""
-    config = metrics_config(tmp_path, artifacts, port, extra=cluster(2, 1, 0))
-    config.write_text(config.read_text() + hold_step_2)
+    hold_step_2 = {"plugin": "gate_plugins:HoldWhileFileExists", "options": {"path": second_gate, "step": 2}}
+    config = metrics_config(tmp_path, artifacts, port, cluster(2, 1, 0), callbacks=(hold_step_2,))
     gate(tmp_path).touch()
     second_gate.touch()
     process, log = start("launch", config)

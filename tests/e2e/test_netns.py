@@ -13,7 +13,6 @@ Needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN) for `ip netns`: skipped without it.
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import re
 import shutil
@@ -26,9 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_rollout_binary import REPO, ROLLOUT, artifacts
-
-__all__ = ["artifacts"]
+from tests.e2e.harness import REPO, ROLLOUT, assert_valid_checkpoint, audit, cluster, read_jsonl, write_config
 
 FAULT_PROXY = Path(os.environ.get("FAULT_PROXY_BIN", REPO / "target" / "release" / "fault-proxy"))
 SUBNET = "10.231.7"
@@ -227,55 +224,25 @@ def net(request: pytest.FixtureRequest, tmp_path: Path) -> Network:
     return network
 
 
-def write_config(directory: Path, artifacts: Path, *, steps: int, checkpoint_every: int = 0) -> Path:
-    text = f"""
-[run]
-name = "netns"
-output_dir = "{directory / "out"}"
-seed = 7
-steps = {steps}
-log_samples = 1000
-
-[policy]
-plugin = "python_plugins.hf_policy:HFCausalLM"
-options = {{ model_path = "{artifacts / "model"}", torch_threads = 1 }}
-
-[data]
-plugin = "python_plugins.data:JsonlPrompts"
-options = {{ path = "{artifacts / "data" / "train.jsonl"}", template = "{{question}}" }}
-
-[[rewards]]
-plugin = "python_plugins.rewards:ExactMatch"
-
-[[rewards]]
-plugin = "python_plugins.rewards:Format"
-weight = 0.5
-options = {{ pattern = '\\d+' }}
-
-[rollout]
-prompts_per_step = 4
-group_size = 4
-max_new_tokens = 4
-
-[train]
-learning_rate = 0.001
-micro_batch_tokens = 32
-
-[checkpoint]
-every = {checkpoint_every}
-
-[cluster]
-workers = 2
-trainers = 2
-max_staleness = 1
-backend = "gloo"
-heartbeat_seconds = 1.0
-peer_timeout_seconds = 20.0
-join_timeout_seconds = {START_SECONDS + 30}
-"""
-    path = directory / "netns.toml"
-    path.write_text(text)
-    return path
+def netns_config(directory: Path, artifacts: Path, *, steps: int, checkpoint_every: int = 0) -> Path:
+    """The base config, every sample logged and no SFT warm start, for two workers and two
+    trainer ranks (gloo) whose roles are started by hand."""
+    section = cluster(
+        2,
+        2,
+        1,
+        backend="gloo",
+        heartbeat_seconds=1.0,
+        peer_timeout_seconds=20.0,
+        join_timeout_seconds=START_SECONDS + 30,
+    )
+    overrides = {
+        "run": {"name": "netns", "log_samples": 1000},
+        "rollout.prompts_per_step": PROMPTS_PER_STEP,
+        "sft": None,
+        "checkpoint.every": checkpoint_every,
+    }
+    return write_config(directory, artifacts, overrides, section, steps=steps, filename="netns.toml")
 
 
 @dataclass
@@ -293,10 +260,10 @@ class Run:
         return [self.controller, *self.workers, *self.trainers]
 
     def metrics(self) -> list[dict]:
-        return [json.loads(line) for line in (self.output / "metrics.jsonl").read_text().splitlines()]
+        return read_jsonl(self.output / "metrics.jsonl")
 
     def samples(self) -> list[dict]:
-        return [json.loads(line) for line in (self.output / "samples.jsonl").read_text().splitlines()]
+        return read_jsonl(self.output / "samples.jsonl")
 
 
 def start_proxy(net: Network, *flags: str) -> Role:
@@ -338,7 +305,7 @@ def run_cluster(
     have exited (each wait bounded)."""
     if not ROLLOUT.exists():
         pytest.fail(f"{ROLLOUT} is missing: run scripts/setup.sh (or set ROLLOUT_BIN)")
-    config = write_config(tmp_path, artifacts, steps=steps, checkpoint_every=checkpoint_every)
+    config = netns_config(tmp_path, artifacts, steps=steps, checkpoint_every=checkpoint_every)
     controller_address = f"{net.ctl.address}:{CONTROLLER_PORT}"
     controller = net.spawn(
         net.ctl,
@@ -494,17 +461,6 @@ def test_a_run_through_a_slow_stalling_link_still_finishes(
     assert_on_their_nodes(run, net)
 
 
-def assert_valid_checkpoint(directory: Path, *, max_step: int, min_step: int = 1) -> None:
-    manifest = json.loads((directory / "manifest.json").read_text())
-    listed = {entry["path"]: entry["bytes"] for entry in manifest["files"]}
-    assert "state.json" in listed
-    for path, size in listed.items():
-        assert (directory / path).stat().st_size == size, path
-    state = json.loads((directory / "state.json").read_text())
-    assert state["step"] == manifest["step"] == int(directory.name.removeprefix("step-"))
-    assert min_step <= state["step"] <= max_step
-
-
 @pytest.mark.slow
 def test_a_worker_whose_connection_resets_connects_again_and_the_run_completes(
     net: Network, tmp_path: Path, artifacts: Path
@@ -535,10 +491,6 @@ def test_a_worker_whose_connection_resets_connects_again_and_the_run_completes(
     for role in run.roles[1:]:
         assert role.process.returncode == 0, f"{role.label} exited {role.process.returncode}\n{net.report()}"
     assert_no_panic(net)
-    audit = subprocess.run(
-        [str(ROLLOUT), "audit", str(run.output)], capture_output=True, text=True, timeout=60
-    )
-    assert audit.returncode == 0, audit.stderr
-    found = json.loads(audit.stdout)
+    found = audit(run.output)
     assert found["groups_lost"] == 0 and found["groups_duplicated"] == 0, found
     assert found["groups_trained"] == steps * PROMPTS_PER_STEP, found

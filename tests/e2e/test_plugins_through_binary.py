@@ -5,39 +5,15 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.e2e.test_rollout_binary import ROLLOUT, artifacts, metrics, run, write_config
+from tests.e2e.harness import FIXTURES, metrics, read_jsonl, rollout, run, write_config
 
-__all__ = ["artifacts"]
-
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
-FIXTURE_PATHS = f"""
-[python]
-paths = ["{FIXTURES}"]
-"""
-
-
-def rollout(command: str, config: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(
-        [str(ROLLOUT), command, str(config), *args],
-        capture_output=True,
-        text=True,
-        cwd=config.parent,
-        timeout=300,
-    )
-    if result.returncode != 0:
-        pytest.fail(f"rollout {command} exited {result.returncode}\n{result.stderr[-6000:]}")
-    return result
-
-
-def jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+FIXTURE_PATHS = {"python.paths": [FIXTURES]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -51,27 +27,24 @@ RECORDS = [
 ]
 # The built-in Template wraps the question, then the fixture drops prompts with a 9 and tags the
 # rest: the tag only survives if the fixture ran second (Template rewrites the whole prompt).
-TRANSFORMS = """
-[[data.transforms]]
-plugin = "python_plugins.data:Template"
-options = { template = "({question})" }
-
-[[data.transforms]]
-plugin = "binary_plugins:DropAndTag"
-options = { drop = "9", tag = "sum " }
-"""
+TRANSFORMS = {
+    "data.transforms": [
+        {"plugin": "python_plugins.data:Template", "options": {"template": "({question})"}},
+        {"plugin": "binary_plugins:DropAndTag", "options": {"drop": "9", "tag": "sum "}},
+    ]
+}
 KEPT = ["sum (1+2=)", "sum (4+4=)"]
 
 
 def test_data_transforms_run_in_order_and_drop_records(tmp_path: Path, artifacts: Path) -> None:
     data = tmp_path / "records.jsonl"
     data.write_text("".join(json.dumps(record) + "\n" for record in RECORDS))
-    config = write_config(tmp_path, artifacts, steps=2, extra=FIXTURE_PATHS + TRANSFORMS)
-    train = str(artifacts / "data" / "train.jsonl")
-    assert train in config.read_text()
-    config.write_text(config.read_text().replace(train, str(data)))
+    config = write_config(
+        tmp_path, artifacts, FIXTURE_PATHS, TRANSFORMS, {"data.options.path": data}, steps=2
+    )
+    assert str(data) in config.read_text()
 
-    checked = rollout("check", config)
+    checked = rollout("check", config, cwd=config.parent)
     match = re.search(r"data\s+(\d+) records, .*first prompt (\".*\")$", checked.stdout, re.MULTILINE)
     assert match, checked.stdout
     assert int(match.group(1)) == len(KEPT)
@@ -79,7 +52,7 @@ def test_data_transforms_run_in_order_and_drop_records(tmp_path: Path, artifacts
 
     # Two prompts a step from two records: each step draws every kept record.
     run(config, "--set", "run.log_samples=8")
-    samples = jsonl(tmp_path / "out" / "samples.jsonl")
+    samples = read_jsonl(tmp_path / "out" / "samples.jsonl")
     assert len(samples) == 2 * 8
     assert sorted({sample["prompt"] for sample in samples}) == KEPT
     assert not [s["prompt"] for s in samples if "9" in s["prompt"]], "a dropped record was sampled"
@@ -96,29 +69,26 @@ def test_data_transforms_run_in_order_and_drop_records(tmp_path: Path, artifacts
 # [[callbacks]]
 
 
-def callbacks(failing: Path, recording: Path) -> str:
+def callbacks(failing: Path, recording: Path) -> dict:
     # The failing callback comes first: the one after it must still see every hook.
-    return f"""
-[[callbacks]]
-plugin = "binary_plugins:FailingHooks"
-options = {{ path = "{failing}" }}
-
-[[callbacks]]
-plugin = "binary_plugins:RecordHooks"
-options = {{ path = "{recording}" }}
-"""
+    return {
+        "callbacks": [
+            {"plugin": "binary_plugins:FailingHooks", "options": {"path": failing}},
+            {"plugin": "binary_plugins:RecordHooks", "options": {"path": recording}},
+        ]
+    }
 
 
 def test_callbacks_see_every_hook_and_a_raising_one_is_switched_off(tmp_path: Path, artifacts: Path) -> None:
     failing, recording = tmp_path / "failing.jsonl", tmp_path / "recording.jsonl"
     out = tmp_path / "out"
-    config = write_config(tmp_path, artifacts, steps=3, extra=FIXTURE_PATHS + callbacks(failing, recording))
+    config = write_config(tmp_path, artifacts, FIXTURE_PATHS, callbacks(failing, recording), steps=3)
     result = run(config)
     assert "done: 3 steps" in result.stdout
     lines = metrics(tmp_path)
     assert [line["step"] for line in lines] == [1, 2, 3]
 
-    events = jsonl(recording)
+    events = read_jsonl(recording)
     order = [(e["event"], e.get("step")) for e in events]
     assert order[0] == ("run_start", None) and order[-1] == ("run_end", None)
     assert [step for event, step in order if event == "step_end"] == [1, 2, 3]
@@ -153,7 +123,7 @@ def test_callbacks_see_every_hook_and_a_raising_one_is_switched_off(tmp_path: Pa
     assert json.loads((out / "summary.json").read_text())["checkpoint"] == end["checkpoint"]
 
     # The raising callback got its first on_step_end and nothing after: it was switched off.
-    failing_events = [(e["event"], e.get("step")) for e in jsonl(failing)]
+    failing_events = [(e["event"], e.get("step")) for e in read_jsonl(failing)]
     assert failing_events[0] == ("run_start", None) and failing_events[-1] == ("step_end", 1)
     assert set(failing_events[1:-1]) <= {("checkpoint", 0)}
     errors = [line for line in result.stderr.splitlines() if "ERROR" in line]
@@ -168,10 +138,7 @@ def test_callbacks_see_every_hook_and_a_raising_one_is_switched_off(tmp_path: Pa
 # ---------------------------------------------------------------------------------------------
 # [engine.speculation] method = "draft_model"
 
-DRAFT_MODEL = """
-[engine.speculation]
-method = "draft_model"
-"""
+DRAFT_MODEL = {"engine.speculation.method": "draft_model"}
 GREEDY = (
     "--set",
     "rollout.temperature=0",
@@ -200,16 +167,16 @@ def draft_model(artifacts: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 
 def generate(config: Path, output: Path, *args: str) -> tuple[list[dict], dict]:
-    result = rollout("generate", config, *GREEDY, "--output", str(output), *args)
+    result = rollout("generate", config, *GREEDY, "--output", output, *args, cwd=config.parent)
     stats = json.loads(result.stdout.strip().splitlines()[-1])
-    return jsonl(output), stats
+    return read_jsonl(output), stats
 
 
 def test_draft_model_speculation_trains_and_keeps_greedy_tokens(
     tmp_path: Path, artifacts: Path, draft_model: Path
 ) -> None:
     draft_option = f"policy.options.draft_model_path={draft_model}"
-    config = write_config(tmp_path, artifacts, steps=3, extra=DRAFT_MODEL)
+    config = write_config(tmp_path, artifacts, DRAFT_MODEL, steps=3)
     run(config, "--set", draft_option)
     lines = metrics(tmp_path)
     assert [line["step"] for line in lines] == [1, 2, 3]

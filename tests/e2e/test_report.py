@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.e2e.test_rollout_binary import ROLLOUT, artifacts, run, write_config  # noqa: F401  (a fixture)
+from tests.e2e.harness import rollout, run, write_config
 
 RUN_NAMES = ("baseline", "seed-11")
 # The report's colours for the first and second run (Tableau 10 blue and orange).
@@ -23,7 +23,7 @@ CHROMIUM_INSTALL = "apt-get install -y --no-install-recommends chromium"
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory, artifacts: Path) -> list[Path]:  # noqa: F811
+def runs(tmp_path_factory: pytest.TempPathFactory, artifacts: Path) -> list[Path]:
     """Two 3-step GRPO runs of the tiny model, with different names and seeds."""
     dirs = []
     for name, seed in zip(RUN_NAMES, ("7", "11"), strict=True):
@@ -35,12 +35,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, artifacts: Path) -> list[Path
 
 
 def report(*args: str | Path, check: bool = True) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(
-        [str(ROLLOUT), "report", *map(str, args)], capture_output=True, text=True, timeout=60
-    )
-    if check and result.returncode != 0:
-        pytest.fail(f"rollout report exited {result.returncode}\n{result.stderr}")
-    return result
+    return rollout("report", *args, check=check, timeout=60)
 
 
 def svgs(html: str) -> dict[str, str]:

@@ -5,87 +5,39 @@ seeded digit strings, so the failing samples are known from their text."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-FIXTURES = REPO / "tests" / "fixtures"
-ROLLOUT = Path(os.environ.get("ROLLOUT_BIN", REPO / "target" / "release" / "rollout"))
-sys.path.insert(0, str(FIXTURES))
-
-from sandbox_plugins import BEHAVIOUR, expected_failure  # noqa: E402
+from tests.e2e.harness import read_jsonl, run, write_toy_config
+from tests.fixtures.sandbox_plugins import BEHAVIOUR, expected_failure
 
 STEPS = 4
 
 
-def write_config(directory: Path, *, reward: str, sandbox: str) -> Path:
-    text = f"""
-[run]
-output_dir = "{directory / "out"}"
-seed = 3
-steps = {STEPS}
-log_samples = 1000
-
-[python]
-paths = ["{FIXTURES}"]
-
-[policy]
-plugin = "toy_plugins:ToyPolicy"
-
-[data]
-plugin = "python_plugins.data:JsonlPrompts"
-options = {{ path = "{FIXTURES / "prompts.jsonl"}" }}
-
-[[rewards]]
-plugin = "{reward}"
-
-[rollout]
-prompts_per_step = 3
-group_size = 4
-max_new_tokens = 4
-
-[train]
-learning_rate = 0.001
-
-[sandbox]
-{sandbox}
-"""
-    path = directory / "sandbox.toml"
-    path.write_text(text)
-    return path
-
-
-def run(config: Path) -> subprocess.CompletedProcess[str]:
-    if not ROLLOUT.exists():
-        pytest.fail(f"{ROLLOUT} is missing: build it (or set ROLLOUT_BIN)")
-    return subprocess.run(
-        [str(ROLLOUT), "run", str(config)], capture_output=True, text=True, cwd=config.parent, timeout=240
-    )
-
-
-def read_lines(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+def reward_config(directory: Path, *, reward: str, sandbox: dict) -> Path:
+    """The toy config scored by `reward` alone, in the `sandbox` pool."""
+    overrides = {"run.steps": STEPS, "rewards": [{"plugin": reward}], "sandbox": sandbox}
+    return write_toy_config(directory, overrides, filename="sandbox.toml")
 
 
 def test_hanging_raising_oom_and_crashing_rewards_cost_samples_not_the_run(tmp_path: Path) -> None:
-    sandbox = (
-        "processes = 2\ntimeout_seconds = 1.0\nmemory_mb = 2048\n"
-        "max_failed_fraction = 0.9\nmax_failed_fraction_per_step = 1.0"
-    )
-    config = write_config(tmp_path, reward="sandbox_plugins:Misbehaving", sandbox=sandbox)
+    sandbox = {
+        "processes": 2,
+        "timeout_seconds": 1.0,
+        "memory_mb": 2048,
+        "max_failed_fraction": 0.9,
+        "max_failed_fraction_per_step": 1.0,
+    }
+    config = reward_config(tmp_path, reward="sandbox_plugins:Misbehaving", sandbox=sandbox)
     started = time.monotonic()
-    result = run(config)
+    result = run(config, check=False, timeout=240)
     assert result.returncode == 0, result.stderr
     assert time.monotonic() - started < 180
-    samples = read_lines(tmp_path / "out" / "samples.jsonl")
-    metrics = read_lines(tmp_path / "out" / "metrics.jsonl")
+    samples = read_jsonl(tmp_path / "out" / "samples.jsonl")
+    metrics = read_jsonl(tmp_path / "out" / "metrics.jsonl")
     assert [line["step"] for line in metrics] == list(range(1, STEPS + 1))
     assert len(samples) == STEPS * 3 * 4
     for sample in samples:
@@ -122,9 +74,9 @@ def test_hanging_raising_oom_and_crashing_rewards_cost_samples_not_the_run(tmp_p
 
 
 def test_too_many_failures_end_the_run_with_the_fraction_and_the_limit(tmp_path: Path) -> None:
-    sandbox = "processes = 1\nmax_failed_fraction_per_step = 0.5"
-    config = write_config(tmp_path, reward="toy_plugins:RaisingReward", sandbox=sandbox)
-    result = run(config)
+    sandbox = {"processes": 1, "max_failed_fraction_per_step": 0.5}
+    config = reward_config(tmp_path, reward="toy_plugins:RaisingReward", sandbox=sandbox)
+    result = run(config, check=False, timeout=240)
     assert result.returncode == 1, result.stderr
     assert "rewards failed on 12 of 12 samples in this step (100.0%)" in result.stderr
     assert "sandbox.max_failed_fraction_per_step = 0.5" in result.stderr

@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import time
 from pathlib import Path
 
-import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from python_plugins.quickstart import create_tiny_model, write_addition_splits
+from tests.e2e.harness import ROLLOUT, learning_signal, metrics, run, samples, write_config
 
-REPO = Path(__file__).resolve().parents[2]
-ROLLOUT = Path(os.environ.get("ROLLOUT_BIN", REPO / "target" / "release" / "rollout"))
 REQUIRED_METRICS = {
     "step",
     "reward_mean",
@@ -28,88 +24,6 @@ REQUIRED_METRICS = {
     "samples_per_second",
     "weight_version",
 }
-# Wall times, and the KV cache's size and occupancy (which depend on what the process served
-# before, e.g. a resumed run starts with a fresh cache), are not part of the learning signal.
-NOT_LEARNING = ("seconds", "per_second", "overhead_fraction", "engine/kv_blocks", "engine/kv_occupancy")
-
-
-@pytest.fixture(scope="session")
-def artifacts(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if not ROLLOUT.exists():
-        pytest.fail(f"{ROLLOUT} is missing: run scripts/setup.sh (or set ROLLOUT_BIN)")
-    root = tmp_path_factory.mktemp("tiny")
-    create_tiny_model(root / "model", hidden_size=32, num_layers=2, num_heads=2, max_positions=512, seed=0)
-    write_addition_splits(root / "data", train=64, test=16, seed=0, digits=1)
-    return root
-
-
-def write_config(directory: Path, artifacts: Path, *, steps: int = 3, extra: str = "") -> Path:
-    text = f"""
-[run]
-name = "e2e"
-output_dir = "{directory / "out"}"
-seed = 7
-steps = {steps}
-
-[policy]
-plugin = "python_plugins.hf_policy:HFCausalLM"
-options = {{ model_path = "{artifacts / "model"}", torch_threads = 1 }}
-
-[data]
-plugin = "python_plugins.data:JsonlPrompts"
-options = {{ path = "{artifacts / "data" / "train.jsonl"}", template = "{{question}}" }}
-
-[[rewards]]
-plugin = "python_plugins.rewards:ExactMatch"
-
-[[rewards]]
-plugin = "python_plugins.rewards:Format"
-weight = 0.5
-options = {{ pattern = '\\d+' }}
-
-[rollout]
-prompts_per_step = 2
-group_size = 4
-max_new_tokens = 4
-
-[train]
-learning_rate = 0.001
-micro_batch_tokens = 32
-
-[sft]
-steps = 2
-batch_size = 8
-learning_rate = 0.003
-
-[checkpoint]
-every = 2
-{extra}
-"""
-    path = directory / "e2e.toml"
-    path.write_text(text)
-    return path
-
-
-def run(config: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(
-        [str(ROLLOUT), "run", str(config), *args],
-        capture_output=True,
-        text=True,
-        cwd=config.parent,
-        timeout=300,
-    )
-    if check and result.returncode != 0:
-        pytest.fail(f"rollout exited {result.returncode}\n{result.stderr}")
-    return result
-
-
-def metrics(directory: Path) -> list[dict]:
-    lines = (directory / "out" / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
-
-
-def learning_signal(lines: list[dict]) -> list[dict]:
-    return [{k: v for k, v in line.items() if not any(word in k for word in NOT_LEARNING)} for line in lines]
 
 
 def test_run_writes_metrics_checkpoint_and_summary(tmp_path: Path, artifacts: Path) -> None:
@@ -173,7 +87,7 @@ def test_resume_continues_exactly(tmp_path: Path, artifacts: Path) -> None:
 
 
 def test_ctrl_c_stops_cleanly_with_a_valid_checkpoint(tmp_path: Path, artifacts: Path) -> None:
-    config = write_config(tmp_path, artifacts, steps=500, extra="")
+    config = write_config(tmp_path, artifacts, steps=500)
     process = subprocess.Popen(
         [str(ROLLOUT), "run", str(config), "--set", "checkpoint.every=0"],
         cwd=tmp_path,
@@ -200,11 +114,10 @@ def test_ctrl_c_stops_cleanly_with_a_valid_checkpoint(tmp_path: Path, artifacts:
 
 
 def test_bad_plugin_option_is_reported_before_training(tmp_path: Path, artifacts: Path) -> None:
-    config = write_config(tmp_path, artifacts)
-    text = config.read_text().replace("torch_threads = 1", "torch_thread = 1")
-    config.write_text(text)
-    result = run(config, check=False)
+    misspelt = {"policy.options.torch_threads": None, "policy.options.torch_thread": 1}
+    result = run(write_config(tmp_path, artifacts, misspelt), check=False)
     assert result.returncode == 2
+    # Line 10 of the written file: [policy]'s options.
     assert "e2e.toml:10:" in result.stderr
     assert "did you mean `torch_threads`?" in result.stderr
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
@@ -213,36 +126,22 @@ def test_bad_plugin_option_is_reported_before_training(tmp_path: Path, artifacts
 def test_multi_turn_episodes_train_on_exactly_the_generated_tokens(tmp_path: Path, artifacts: Path) -> None:
     data = tmp_path / "secrets.jsonl"
     data.write_text("".join(json.dumps({"prompt": "guess", "secret": s}) + "\n" for s in (3, 7, 12)))
-    config = tmp_path / "multi.toml"
-    config.write_text(
-        f"""
-[run]
-output_dir = "{tmp_path / "out"}"
-steps = 2
-log_samples = 8
-
-[policy]
-plugin = "python_plugins.hf_policy:HFCausalLM"
-options = {{ model_path = "{artifacts / "model"}", torch_threads = 1 }}
-
-[data]
-plugin = "python_plugins.data:JsonlPrompts"
-options = {{ path = "{data}" }}
-
-[environment]
-plugin = "python_plugins.environments:GuessNumber"
-options = {{ max_turns = 3 }}
-max_turns = 3
-
-[rollout]
-prompts_per_step = 2
-group_size = 4
-max_new_tokens = 3
-
-[train]
-learning_rate = 0.001
-"""
-    )
+    guess_number = {
+        "plugin": "python_plugins.environments:GuessNumber",
+        "options": {"max_turns": 3},
+        "max_turns": 3,
+    }
+    overrides = {
+        "run": {"name": None, "seed": None, "log_samples": 8},
+        "data.options": {"path": data, "template": None},
+        "environment": guess_number,
+        "rewards": None,
+        "rollout.max_new_tokens": 3,
+        "train.micro_batch_tokens": None,
+        "sft": None,
+        "checkpoint": None,
+    }
+    config = write_config(tmp_path, artifacts, overrides, steps=2, filename="multi.toml")
     run(config)
     lines = metrics(tmp_path)
     assert len(lines) == 2 and all("env_return_mean" in line for line in lines)
@@ -250,9 +149,9 @@ learning_rate = 0.001
     assert all(line["engine/prefix_cache_hit_tokens"] > 0 for line in lines)
     tokenizer = AutoTokenizer.from_pretrained(artifacts / "model")
     hints = {"\nhigher.\nguess: ", "\nlower.\nguess: ", "\nthat is not a number.\nguess: "}
-    samples = [json.loads(line) for line in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
-    assert len(samples) == 16
-    for sample in samples:
+    logged = samples(tmp_path)
+    assert len(logged) == 16
+    for sample in logged:
         tokens, generated = sample["tokens"], sample["generated"]
         assert len(tokens) == len(generated)
         assert sample["prompt"].startswith("i am thinking of a number")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_rollout_binary import ROLLOUT, artifacts, write_config  # noqa: F401  (a fixture)
+from tests.e2e.harness import ROLLOUT, cluster, write_config
 
 GRID = "train.learning_rate=0.001,0.002"
 NAMES = ("learning_rate=0.001", "learning_rate=0.002")
@@ -57,7 +57,7 @@ def table_rows(markdown: str) -> list[list[str]]:
 
 def test_an_interrupted_sweep_continues_without_rerunning_finished_runs(
     tmp_path: Path,
-    artifacts: Path,  # noqa: F811
+    artifacts: Path,
 ) -> None:
     config = write_config(tmp_path, artifacts, steps=5)
     output = tmp_path / "sweep"
@@ -122,7 +122,7 @@ def test_an_interrupted_sweep_continues_without_rerunning_finished_runs(
 
 def test_another_grid_in_the_same_directory_and_a_bad_key_are_refused(
     tmp_path: Path,
-    artifacts: Path,  # noqa: F811
+    artifacts: Path,
 ) -> None:
     config = write_config(tmp_path, artifacts, steps=2)
     output = tmp_path / "sweep"
@@ -156,9 +156,9 @@ def test_another_grid_in_the_same_directory_and_a_bad_key_are_refused(
 
 def test_launch_runs_each_point_with_rollout_launch(
     tmp_path: Path,
-    artifacts: Path,  # noqa: F811
+    artifacts: Path,
 ) -> None:
-    config = write_config(tmp_path, artifacts, steps=2, extra="[cluster]\nworkers = 1\ntrainers = 1\n")
+    config = write_config(tmp_path, artifacts, cluster(1, 1), steps=2)
     output = tmp_path / "sweep"
     command = [*sweep_command(config, output, grid="rollout.temperature=1.0"), "--launch"]
     result = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=300)

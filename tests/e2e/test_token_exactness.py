@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_rollout_binary import ROLLOUT, metrics, run
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoTokenizer,
@@ -27,10 +26,19 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from tests.e2e.harness import (
+    FIXTURES,
+    ROLLOUT,
+    apply,
+    e2e_config,
+    metrics,
+    read_jsonl,
+    run,
+    samples,
+    write_toml,
+)
 from tests.fixtures.token_exactness_plugins import echo_observation
 
-REPO = Path(__file__).resolve().parents[2]
-FIXTURES = REPO / "tests" / "fixtures"
 PAD, EOS = "<pad>", "<eos>"
 PROMPTS = ["tell me about the fox", "héllo wörld, say something", "bakemo tasuri zo"]
 MAX_TURNS = 3
@@ -98,44 +106,27 @@ def bpe_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-def write_config(directory: Path, model_dir: Path) -> Path:
+def bpe_config(directory: Path, model_dir: Path) -> Path:
+    """The base config's shape on the BPE model and the recording policy, in the echoing
+    environment (no [[rewards]]), every episode logged, no SFT warm start."""
     data = directory / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    config = directory / "bpe.toml"
-    config.write_text(
-        f"""
-[run]
-output_dir = "{directory / "out"}"
-seed = 11
-steps = {STEPS}
-log_samples = {EPISODES_PER_STEP}
-
-[python]
-paths = ["{FIXTURES}"]
-
-[policy]
-plugin = "token_exactness_plugins:RecordingHFCausalLM"
-options = {{ model_path = "{model_dir}", torch_threads = 1, record_path = "{directory / "sampled.jsonl"}" }}
-
-[data]
-plugin = "python_plugins.data:JsonlPrompts"
-options = {{ path = "{data}" }}
-
-[environment]
-plugin = "token_exactness_plugins:EchoTurns"
-max_turns = {MAX_TURNS}
-
-[rollout]
-prompts_per_step = 2
-group_size = 8
-max_new_tokens = 8
-temperature = 1.0
-
-[train]
-learning_rate = 0.01
-"""
-    )
-    return config
+    overrides = {
+        "run": {"name": None, "seed": 11, "steps": STEPS, "log_samples": EPISODES_PER_STEP},
+        "python.paths": [FIXTURES],
+        "policy": {
+            "plugin": "token_exactness_plugins:RecordingHFCausalLM",
+            "options.record_path": directory / "sampled.jsonl",
+        },
+        "data.options.template": None,
+        "environment": {"plugin": "token_exactness_plugins:EchoTurns", "max_turns": MAX_TURNS},
+        "rewards": None,
+        "rollout": {"prompts_per_step": 2, "group_size": 8, "max_new_tokens": 8, "temperature": 1.0},
+        "train": {"learning_rate": 0.01, "micro_batch_tokens": None},
+        "sft": None,
+        "checkpoint": None,
+    }
+    return write_toml(directory / "bpe.toml", apply(e2e_config(directory, model_dir, data), overrides))
 
 
 def segments(tokens: list[int], generated: list[bool]) -> list[tuple[bool, list[int]]]:
@@ -152,7 +143,7 @@ def segments(tokens: list[int], generated: list[bool]) -> list[tuple[bool, list[
 def test_multi_turn_trajectories_keep_the_sampled_ids_of_a_bpe_tokenizer(
     tmp_path: Path, bpe_model: Path
 ) -> None:
-    config = write_config(tmp_path, bpe_model)
+    config = bpe_config(tmp_path, bpe_model)
     run(config, "--overwrite")
     assert [line["step"] for line in metrics(tmp_path)] == list(range(1, STEPS + 1))
     tokenizer = AutoTokenizer.from_pretrained(bpe_model)
@@ -170,20 +161,20 @@ def test_multi_turn_trajectories_keep_the_sampled_ids_of_a_bpe_tokenizer(
 
     # Every token the engine had the policy sample, keyed by the exact ids it was sampled after.
     sampled_after: dict[tuple[int, ...], set[int]] = {}
-    rows = [json.loads(line) for line in (tmp_path / "sampled.jsonl").read_text().splitlines()]
+    rows = read_jsonl(tmp_path / "sampled.jsonl")
     assert rows, "the sampling engine never ran the recording policy"
     for row in rows:
         assert row["drafts"] == 0 and len(row["sampled"]) == 1, row
         assert -1 not in row["context"], "a context slot was read before anything was written to it"
         sampled_after.setdefault(tuple(row["context"]), set()).add(row["sampled"][0])
 
-    samples = [json.loads(line) for line in (tmp_path / "out" / "samples.jsonl").read_text().splitlines()]
-    assert len(samples) == STEPS * EPISODES_PER_STEP
+    logged = samples(tmp_path)
+    assert len(logged) == STEPS * EPISODES_PER_STEP
     turns_checked = 0
     not_round_tripping: list[tuple[list[int], list[int]]] = []
     merged_across_tokens: list[tuple[list[int], list[int]]] = []
     episodes_not_round_tripping = 0
-    for sample in samples:
+    for sample in logged:
         tokens, generated = sample["tokens"], sample["generated"]
         assert len(tokens) == len(generated)
         # 1. Every trained (generated) token is the one the engine sampled after exactly the

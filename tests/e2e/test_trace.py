@@ -10,10 +10,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.e2e.test_distributed import cluster, launch
-from tests.e2e.test_rollout_binary import artifacts, run, write_config
-
-__all__ = ["artifacts"]
+from tests.e2e.harness import cluster, launch, run, write_config
 
 # Cross-process timestamps come from each process's wall clock: on one machine they agree
 # to well within this (microseconds since the Unix epoch).
@@ -147,7 +144,7 @@ def test_run_writes_a_chrome_trace_of_every_step(tmp_path: Path, artifacts: Path
 
 def test_launch_merges_the_roles_traces_into_one(tmp_path: Path, artifacts: Path) -> None:
     trace = tmp_path / "T.json"
-    config = write_config(tmp_path, artifacts, steps=2, extra=cluster(1, 1, 0))
+    config = write_config(tmp_path, artifacts, cluster(1, 1, 0), steps=2)
     result = launch(config, "--trace", str(trace))
     assert f"trace written to {trace}" in result.stderr
     # The roles' own files were merged into T.json and removed.

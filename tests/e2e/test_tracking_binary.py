@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_rollout_binary import ROLLOUT, artifacts, metrics, run, write_config
-from tests.python.test_tracking import (
+from tests.e2e.harness import ROLLOUT, cluster, metrics, run, samples, write_config
+from tests.python.tracking_readers import (
     scalars,
     tensorboard,
     texts,
@@ -23,23 +23,15 @@ from tests.python.test_tracking import (
     wandb_table,
 )
 
-__all__ = ["artifacts"]
-
-TRACKERS = """
-[[callbacks]]
-plugin = "python_plugins.tracking:WandbTracker"
-options = { project = "e2e", tags = ["binary"], log_samples_every = 2 }
-
-[[callbacks]]
-plugin = "python_plugins.tracking:TensorBoardTracker"
-options = { log_samples_every = 2 }
-"""
-CLUSTER = """
-[cluster]
-workers = 1
-trainers = 1
-max_staleness = 0
-"""
+TRACKERS = {
+    "callbacks": [
+        {
+            "plugin": "python_plugins.tracking:WandbTracker",
+            "options": {"project": "e2e", "tags": ["binary"], "log_samples_every": 2},
+        },
+        {"plugin": "python_plugins.tracking:TensorBoardTracker", "options": {"log_samples_every": 2}},
+    ]
+}
 COLUMNS = ("step", "prompt", "completion", "reward", "advantage")
 
 
@@ -55,15 +47,12 @@ def offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, str]:
     return dict(os.environ)
 
 
-def tracker_config(directory: Path, artifacts: Path, steps: int, extra: str = "") -> Path:
-    config = write_config(directory, artifacts, steps=steps, extra=TRACKERS + extra)
-    config.write_text(config.read_text().replace("[run]\n", "[run]\nlog_samples = 4\n", 1))
-    return config
+def tracker_config(directory: Path, artifacts: Path, steps: int, *overrides: dict) -> Path:
+    return write_config(directory, artifacts, TRACKERS, *overrides, {"run.log_samples": 4}, steps=steps)
 
 
 def samples_of(out: Path, step: int) -> list[list]:
-    lines = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
-    return [[s[c] for c in COLUMNS] for s in lines if s["step"] == step]
+    return [[s[c] for c in COLUMNS] for s in samples(out.parent) if s["step"] == step]
 
 
 def event_file_pids(log_dir: Path) -> set[int]:
@@ -116,7 +105,7 @@ def test_rollout_run_with_wandb_offline_and_tensorboard(tmp_path: Path, artifact
 
 
 def test_rollout_launch_tracks_once_from_the_controller(tmp_path: Path, artifacts: Path, offline) -> None:
-    config = tracker_config(tmp_path, artifacts, steps=2, extra=CLUSTER)
+    config = tracker_config(tmp_path, artifacts, 2, cluster(1, 1, 0))
     controller = subprocess.Popen(
         [str(ROLLOUT), "launch", str(config)],
         stdout=subprocess.PIPE,

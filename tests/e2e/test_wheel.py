@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.e2e.harness import REPO
+
 SCRUBBED = {"PYTHONPATH", "VIRTUAL_ENV", "ROLLOUT_VENV", "ROLLOUT_HOME", "ROLLOUT_BIN", "PYO3_PYTHON"}
 FULL_DEPS = os.environ.get("ROLLOUT_WHEEL_FULL_DEPS") == "1"
 
@@ -99,7 +100,7 @@ def run_rollout(installed: Installed, cwd: Path, *args: str) -> subprocess.Compl
         f"rollout {args[0]}",
         ["rollout", *args],
         cwd=cwd,
-        env={**env, "ROLLOUT_LOG": "rollout_engine=debug"},
+        env={**env, "ROLLOUT_LOG": "rollout_python=debug"},
         timeout=900,
     )
 

@@ -25,7 +25,6 @@ from rollout_sdk import (
     Transform,
     build_config,
     load_plugin,
-    objective_from_fields,
     resolve_plugin_class,
 )
 from rollout_sdk.objectives import objective_loss, token_logprobs
@@ -374,21 +373,6 @@ def test_ppo_critic_warm_up_trains_only_the_values():
     assert "clip_fraction" not in out.metrics
     with pytest.raises(ValueError, match="value head"):
         objective_loss(logprobs, batch)
-
-
-def test_objectives_are_built_from_their_wire_form():
-    assert objective_from_fields("grpo", clip_low=0.1, clip_high=0.2, kl_coef=0.0, temperature=1.0) == (
-        GrpoObjective(clip_low=0.1, clip_high=0.2)
-    )
-    assert objective_from_fields("dpo", beta=0.3) == DpoObjective(beta=0.3)
-    assert objective_from_fields("sft") == SftObjective()
-    assert objective_from_fields("ppo", value_clip=0.5, train_policy=False) == PpoObjective(
-        value_clip=0.5, train_policy=False
-    )
-    with pytest.raises(ValueError, match="unknown objective `a2c`"):
-        objective_from_fields("a2c")
-    with pytest.raises(TypeError):
-        objective_from_fields("gspo", beta=1.0)
 
 
 # token_logprobs

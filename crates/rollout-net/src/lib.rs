@@ -59,4 +59,4 @@ pub use frame::{Frame, FrameCodec, FrameError};
 pub use link::{Link, LinkLimits, NetError};
 pub use messages::{Message, MessageKind};
 pub use rpc::{RpcClient, RpcServer};
-pub use tensor::{Dtype, TensorError, TensorMeta, TensorPayloadBuilder, TensorTable};
+pub use tensor::{Dtype, TensorBytes, TensorError, TensorMeta, TensorPayloadBuilder, TensorTable};

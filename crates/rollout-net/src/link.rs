@@ -1,6 +1,6 @@
 //! Connections between roles: TCP (optionally TLS), authenticated before anything is
-//! parsed, then greeted (`Hello` both ways), then frames. [`Link::client`] and
-//! [`Link::server`] turn a connection into calls and answers ([`crate::rpc`]).
+//! parsed, then greeted (`Hello` both ways), then frames. [`crate::rpc`] turns a link into
+//! calls and answers ([`Link::client`], [`Link::server`]).
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -13,7 +13,6 @@ use tokio_util::codec::Framed;
 use crate::auth::{AuthError, ClusterKey, authenticate_client, authenticate_server};
 use crate::frame::{Frame, FrameCodec};
 use crate::messages::Hello;
-use crate::rpc::{self, RpcClient, RpcServer};
 use crate::tls::{Stream as LinkStream, TlsContext};
 
 /// Sizes, times and encryption every connection of a run agrees on.
@@ -213,16 +212,11 @@ impl Link {
             self.peer.role, self.peer.name, self.peer_addr
         )
     }
-    /// The calling side of this connection.
-    pub fn client(self) -> RpcClient {
-        let peer = self.describe();
-        rpc::start_client(self.framed, peer, self.peer, &self.limits)
-    }
 
-    /// The answering side: requests arrive on `requests` (at most `credits` queued; then
-    /// the socket is not read, so the peer's writes back up), answers go through `responder`.
-    pub fn server(self) -> RpcServer {
+    /// The connection's frames, its description for logs, the peer's greeting and the
+    /// limits: what [`Link::client`] and [`Link::server`] start from.
+    pub(crate) fn into_parts(self) -> (Framed<LinkStream, FrameCodec>, String, Hello, LinkLimits) {
         let peer = self.describe();
-        rpc::start_server(self.framed, peer, self.peer, &self.limits)
+        (self.framed, peer, self.peer, self.limits)
     }
 }

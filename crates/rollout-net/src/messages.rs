@@ -77,6 +77,23 @@ pub struct GenerateRequest {
     pub sampling: SamplingParams,
 }
 
+impl GenerateRequest {
+    /// The most tokens any sample of the request may generate.
+    pub fn longest_budget(&self) -> u32 {
+        self.prompts
+            .iter()
+            .flat_map(|prompt| {
+                if prompt.max_new_tokens.is_empty() {
+                    vec![self.sampling.max_new_tokens]
+                } else {
+                    prompt.max_new_tokens.clone()
+                }
+            })
+            .max()
+            .unwrap_or(self.sampling.max_new_tokens)
+    }
+}
+
 /// One generated completion, tagged with the weight version that produced it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Completion {

@@ -17,7 +17,7 @@ use tokio_util::codec::{Framed, FramedRead};
 
 use crate::frame::{Frame, FrameCodec, FrameError};
 use crate::heard::HeardClock;
-use crate::link::{LinkLimits, NetError};
+use crate::link::{Link, LinkLimits, NetError};
 use crate::messages::{ErrorMessage, Heartbeat, Hello, Message, MessageKind};
 use crate::tls::Stream as LinkStream;
 
@@ -60,8 +60,23 @@ impl EnvelopeHead {
     }
 }
 
+impl Link {
+    /// The calling side of this connection.
+    pub fn client(self) -> RpcClient {
+        let (framed, peer, hello, limits) = self.into_parts();
+        start_client(framed, peer, hello, &limits)
+    }
+
+    /// The answering side: requests arrive on `requests` (at most `credits` queued; then
+    /// the socket is not read, so the peer's writes back up), answers go through `responder`.
+    pub fn server(self) -> RpcServer {
+        let (framed, peer, hello, limits) = self.into_parts();
+        start_server(framed, peer, hello, &limits)
+    }
+}
+
 /// Starts the tasks of the calling side of `framed`, whose peer greeted with `hello`.
-pub(crate) fn start_client(
+fn start_client(
     framed: Framed<LinkStream, FrameCodec>,
     peer: String,
     hello: Hello,
@@ -94,7 +109,7 @@ pub(crate) fn start_client(
 }
 
 /// Starts the tasks of the answering side of `framed`.
-pub(crate) fn start_server(
+fn start_server(
     framed: Framed<LinkStream, FrameCodec>,
     peer: String,
     hello: Hello,

@@ -106,6 +106,50 @@ impl std::fmt::Display for Dtype {
     }
 }
 
+/// One named tensor's bytes in host memory, little-endian and row-major, as safetensors
+/// stores them: what a policy exports, a checkpoint snapshot holds and a worker imports.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TensorBytes {
+    pub name: String,
+    pub dtype: Dtype,
+    pub shape: Vec<u64>,
+    pub data: Bytes,
+}
+
+impl TensorBytes {
+    /// Checks that `data` holds exactly the bytes of `shape` elements of `dtype`.
+    pub fn new(
+        name: String,
+        dtype: Dtype,
+        shape: Vec<u64>,
+        data: impl Into<Bytes>,
+    ) -> Result<Self, TensorError> {
+        let data = data.into();
+        let expected = dtype
+            .byte_len(&shape)
+            .ok_or_else(|| TensorError::SizeOverflow {
+                name: name.clone(),
+                dtype,
+                shape: shape.clone(),
+            })?;
+        if data.len() as u64 != expected {
+            return Err(TensorError::LengthMismatch {
+                name,
+                dtype,
+                shape,
+                len: data.len() as u64,
+                expected,
+            });
+        }
+        Ok(TensorBytes {
+            name,
+            dtype,
+            shape,
+            data,
+        })
+    }
+}
+
 /// One tensor of a payload: bytes `offset..offset + len`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TensorMeta {
@@ -344,6 +388,23 @@ mod tests {
 
     fn table(tensors: Vec<TensorMeta>) -> TensorTable {
         TensorTable { tensors }
+    }
+
+    #[test]
+    fn tensor_bytes_must_fill_their_shape_exactly() {
+        let fits = TensorBytes::new("w".into(), Dtype::F32, vec![2, 2], vec![0u8; 16]).unwrap();
+        assert_eq!(fits.data.len(), 16);
+        let short = TensorBytes::new("w".into(), Dtype::F32, vec![3], vec![0u8; 8]).unwrap_err();
+        assert!(matches!(
+            short,
+            TensorError::LengthMismatch {
+                len: 8,
+                expected: 12,
+                ..
+            }
+        ));
+        let huge = TensorBytes::new("w".into(), Dtype::F64, vec![u64::MAX, 2], Bytes::new());
+        assert!(matches!(huge, Err(TensorError::SizeOverflow { .. })));
     }
 
     #[test]

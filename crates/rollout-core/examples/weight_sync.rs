@@ -1,0 +1,257 @@
+//! Benchmark of the weight-sync transport (bench/distributed.py runs it): one trainer store
+//! and N generation-worker stores in a relay chain over loopback TCP, against raw loopback
+//! TCP measured in the same run. Prints one JSON object.
+//!
+//! Usage: weight_sync LAYOUT.json BUCKET_BYTES REPEATS WORKERS...
+//! where LAYOUT.json is `[["name", [shape...]], ...]` (float32 tensors).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use rollout_core::cluster::weights::{VersionBuffer, WeightStore};
+use rollout_net::ClusterKey;
+use rollout_net::TensorBytes;
+use rollout_net::link::{Link, LinkLimits};
+use rollout_net::messages::{Hello, WeightsReport};
+use rollout_net::tensor::Dtype;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+fn hello(name: &str) -> Hello {
+    Hello {
+        role: "bench".into(),
+        name: name.into(),
+        version: env!("CARGO_PKG_VERSION").into(),
+        credits: 16,
+        info: serde_json::Value::Null,
+    }
+}
+
+fn tensors(layout: &[(String, Vec<u64>)]) -> Vec<TensorBytes> {
+    layout
+        .iter()
+        .enumerate()
+        .map(|(i, (name, shape))| {
+            let len = shape.iter().product::<u64>() as usize * 4;
+            TensorBytes {
+                name: name.clone(),
+                dtype: Dtype::F32,
+                shape: shape.clone(),
+                data: (0..len)
+                    .map(|b| (b.wrapping_mul(31) ^ i) as u8)
+                    .collect::<Vec<u8>>()
+                    .into(),
+            }
+        })
+        .collect()
+}
+
+/// Bytes per second of one raw loopback TCP stream moving `total` bytes in 16 MiB writes.
+async fn raw_loopback(total: usize) -> f64 {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let reader = tokio::spawn(async move {
+        let (mut stream, _) = listener.accept().await.unwrap();
+        let mut buffer = vec![0u8; 1 << 20];
+        let mut seen = 0;
+        while seen < total {
+            let n = stream.read(&mut buffer).await.unwrap();
+            assert!(n > 0);
+            seen += n;
+        }
+    });
+    let chunk = vec![7u8; 16 << 20];
+    let started = Instant::now();
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    let mut sent = 0;
+    while sent < total {
+        let n = chunk.len().min(total - sent);
+        stream.write_all(&chunk[..n]).await.unwrap();
+        sent += n;
+    }
+    reader.await.unwrap();
+    total as f64 / started.elapsed().as_secs_f64()
+}
+
+/// Bytes per second delivered to the last of `hops` raw loopback TCP relays (source -> r1 ->
+/// ... -> r_hops, each forwarding 1 MiB reads as they arrive): the same topology as the
+/// weight chain without framing, checksums or buffering.
+async fn raw_chain(total: usize, hops: usize) -> f64 {
+    let mut listeners = Vec::new();
+    for _ in 0..hops {
+        listeners.push(TcpListener::bind("127.0.0.1:0").await.unwrap());
+    }
+    let addrs: Vec<_> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
+    let mut relays = Vec::new();
+    for (index, listener) in listeners.into_iter().enumerate() {
+        let next = addrs.get(index + 1).copied();
+        relays.push(tokio::spawn(async move {
+            let (mut upstream, _) = listener.accept().await.unwrap();
+            let mut downstream = match next {
+                Some(addr) => Some(TcpStream::connect(addr).await.unwrap()),
+                None => None,
+            };
+            let mut buffer = vec![0u8; 1 << 20];
+            let mut seen = 0;
+            while seen < total {
+                let n = upstream.read(&mut buffer).await.unwrap();
+                assert!(n > 0);
+                if let Some(downstream) = downstream.as_mut() {
+                    downstream.write_all(&buffer[..n]).await.unwrap();
+                }
+                seen += n;
+            }
+        }));
+    }
+    let chunk = vec![7u8; 16 << 20];
+    let started = Instant::now();
+    let mut stream = TcpStream::connect(addrs[0]).await.unwrap();
+    let mut sent = 0;
+    while sent < total {
+        let n = chunk.len().min(total - sent);
+        stream.write_all(&chunk[..n]).await.unwrap();
+        sent += n;
+    }
+    for relay in relays {
+        relay.await.unwrap();
+    }
+    total as f64 / started.elapsed().as_secs_f64()
+}
+
+async fn serve(store: &WeightStore, key: &ClusterKey, name: &str) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    store.serve(
+        listener,
+        key.clone(),
+        hello(name),
+        LinkLimits::default(),
+        Duration::from_secs(120),
+    );
+    addr
+}
+
+/// One sync of `version` along trainer -> worker 0 -> ... ; returns the seconds until every
+/// worker has verified the whole version.
+async fn sync(
+    trainer: &WeightStore,
+    workers: &[(WeightStore, String)],
+    trainer_addr: &str,
+    key: &ClusterKey,
+    version: u64,
+    weights: &[TensorBytes],
+    bucket_bytes: u64,
+) -> f64 {
+    let buffer = VersionBuffer::from_tensors(version, weights, bucket_bytes).unwrap();
+    let report = WeightsReport {
+        version,
+        checksum: buffer.checksum(),
+        bytes: buffer.bytes(),
+        source: trainer_addr.into(),
+        holder: "trainer".into(),
+    };
+    let started = Instant::now();
+    trainer.publish(Arc::new(buffer));
+    let mut pulls = Vec::new();
+    let mut source = trainer_addr.to_owned();
+    for (index, (store, addr)) in workers.iter().enumerate() {
+        let (store, key, report, from) =
+            (store.clone(), key.clone(), report.clone(), source.clone());
+        pulls.push(tokio::spawn(async move {
+            let link = Link::connect(
+                &from,
+                &key,
+                &hello(&format!("worker-{index}")),
+                &LinkLimits::default(),
+            )
+            .await
+            .unwrap();
+            let pulled = store.pull(&link.client(), &report).await.unwrap();
+            assert_eq!(pulled.checksum(), report.checksum);
+        }));
+        source = addr.clone();
+    }
+    for pull in pulls {
+        pull.await.unwrap();
+    }
+    started.elapsed().as_secs_f64()
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let layout: Vec<(String, Vec<u64>)> =
+        serde_json::from_str(&std::fs::read_to_string(&args[1]).unwrap()).unwrap();
+    let bucket_bytes: u64 = args[2].parse().unwrap();
+    let repeats: usize = args[3].parse().unwrap();
+    let counts: Vec<usize> = args[4..].iter().map(|a| a.parse().unwrap()).collect();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let result = runtime.block_on(async {
+        let weights = tensors(&layout);
+        let model_bytes: u64 = weights.iter().map(|t| t.data.len() as u64).sum();
+        let key = ClusterKey::from_secret(b"benchmark secret, long enough").unwrap();
+        let mut rows = Vec::new();
+        let mut version = 0;
+        for &count in &counts {
+            let trainer = WeightStore::default();
+            let trainer_addr = serve(&trainer, &key, "trainer").await;
+            let mut workers = Vec::new();
+            for index in 0..count {
+                let store = WeightStore::default();
+                let addr = serve(&store, &key, &format!("worker-{index}")).await;
+                workers.push((store, addr));
+            }
+            // The baselines are measured between the syncs, so all three see the same machine.
+            let mut raws = Vec::new();
+            let mut raw_relays = Vec::new();
+            let mut seconds = Vec::new();
+            let mut egress_bytes = 0;
+            for _ in 0..repeats {
+                raws.push(raw_loopback(model_bytes as usize).await);
+                raw_relays.push(raw_chain(model_bytes as usize, count).await);
+                version += 1;
+                let sent_before = trainer.sent_bytes.load(Ordering::Relaxed);
+                seconds.push(
+                    sync(&trainer, &workers, &trainer_addr, &key, version, &weights, bucket_bytes).await,
+                );
+                egress_bytes += trainer.sent_bytes.load(Ordering::Relaxed) - sent_before;
+            }
+            let raw = median(&mut raws);
+            let raw_relay = median(&mut raw_relays);
+            let median = median(&mut seconds);
+            let delivered = model_bytes as f64 / median;
+            eprintln!(
+                "{count} workers: {median:.3} s per sync, {:.2} GB/s to the last worker; raw loopback {:.2} GB/s, raw relay chain {:.2} GB/s",
+                delivered / 1e9,
+                raw / 1e9,
+                raw_relay / 1e9
+            );
+            rows.push(serde_json::json!({
+                "workers": count,
+                "model_bytes": model_bytes,
+                "bucket_bytes": bucket_bytes,
+                "seconds": seconds,
+                "raw_loopback_samples": raws,
+                "seconds_median": median,
+                "bytes_per_second": delivered,
+                "raw_loopback_bytes_per_second": raw,
+                "fraction_of_loopback": delivered / raw,
+                "raw_relay_chain_bytes_per_second": raw_relay,
+                "fraction_of_raw_relay_chain": delivered / raw_relay,
+                "trainer_egress_per_model_bytes": egress_bytes as f64 / (repeats as u64 * model_bytes) as f64,
+            }));
+        }
+        serde_json::json!({ "transport": rows })
+    });
+    println!("{result}");
+}

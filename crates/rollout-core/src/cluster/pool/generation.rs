@@ -1,0 +1,253 @@
+//! One generation request across the pool: prompts leased round-robin to the live
+//! workers, answers accepted lease by lease, and what a lost worker held leased again.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Instant;
+
+use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
+use rollout_net::messages::{Completion, GenerateRequest, GenerateResponse};
+
+use super::{Member, Shared, is_loss, journal_error, lock};
+use crate::cluster::remote::send;
+use crate::roles::RoleError;
+
+/// One generation request in progress.
+pub(super) struct Generation {
+    request: GenerateRequest,
+    results: Vec<Option<Vec<Completion>>>,
+    /// Leases so far, per prompt.
+    attempts: Vec<u32>,
+    /// Prompts to lease (again).
+    pending: Vec<usize>,
+    in_flight: FuturesUnordered<Answer>,
+    parts: Vec<BTreeMap<String, f64>>,
+    dropped: usize,
+}
+
+type Answer = Pin<Box<dyn Future<Output = (Share, Result<GenerateResponse, RoleError>)> + Send>>;
+
+/// One generation call to one worker: which prompts of the request, under which leases.
+struct Share {
+    member: Arc<Member>,
+    positions: Vec<usize>,
+    leases: Vec<u64>,
+}
+
+impl Shared {
+    /// Leases `positions` of `request` to `members`, round-robin; positions whose group
+    /// ran out of attempts come back as dropped.
+    fn deal(
+        &self,
+        request: &GenerateRequest,
+        members: &[Arc<Member>],
+        positions: Vec<usize>,
+        attempts: &mut [u32],
+    ) -> Result<(Vec<Share>, Vec<usize>), RoleError> {
+        let mut shares: Vec<Share> = members
+            .iter()
+            .map(|member| Share {
+                member: member.clone(),
+                positions: Vec::new(),
+                leases: Vec::new(),
+            })
+            .collect();
+        let mut dropped = Vec::new();
+        let mut ledger = lock(&self.ledger);
+        let now = Instant::now();
+        for (turn, position) in positions.into_iter().enumerate() {
+            let share = &mut shares[turn % members.len()];
+            attempts[position] += 1;
+            let group = request.prompts[position].group;
+            if attempts[position] > self.settings.max_attempts {
+                if let Some(group) = group {
+                    let reason = format!("no answer after {} leases", attempts[position] - 1);
+                    ledger.dropped(group, &reason).map_err(journal_error)?;
+                }
+                dropped.push(position);
+                continue;
+            }
+            let lease = match group {
+                Some(group) => ledger
+                    .lease(
+                        group,
+                        &share.member.name,
+                        attempts[position],
+                        now,
+                        self.settings.lease_timeout,
+                    )
+                    .map_err(journal_error)?,
+                None => 0,
+            };
+            share.positions.push(position);
+            share.leases.push(lease);
+        }
+        shares.retain(|share| !share.positions.is_empty());
+        Ok((shares, dropped))
+    }
+
+    /// Accepts a worker's answer lease by lease; returns the positions whose answer was
+    /// rejected (to be generated again).
+    fn accept(
+        &self,
+        request: &GenerateRequest,
+        share: &Share,
+        response: GenerateResponse,
+        results: &mut [Option<Vec<Completion>>],
+    ) -> Result<Vec<usize>, RoleError> {
+        if response.groups.len() != share.positions.len() {
+            return Err(RoleError::Protocol(format!(
+                "{} answered {} groups for {} prompts",
+                share.member.name,
+                response.groups.len(),
+                share.positions.len()
+            )));
+        }
+        let mut ledger = lock(&self.ledger);
+        let now = Instant::now();
+        let mut again = Vec::new();
+        let mut completions = 0;
+        for ((&position, &lease), group) in share
+            .positions
+            .iter()
+            .zip(&share.leases)
+            .zip(response.groups)
+        {
+            let tracked = request.prompts[position].group.is_some();
+            if !tracked || ledger.complete(lease, now).map_err(journal_error)? {
+                completions += group.len() as u64;
+                results[position] = Some(group);
+            } else {
+                again.push(position);
+            }
+        }
+        *lock(&self.tally)
+            .completions
+            .entry(share.member.name.clone())
+            .or_default() += completions;
+        Ok(again)
+    }
+
+    fn revoke(&self, share: &Share, err: &RoleError) -> Result<(), RoleError> {
+        let mut ledger = lock(&self.ledger);
+        for &lease in &share.leases {
+            if lease != 0 {
+                ledger
+                    .revoke(lease, &err.to_string())
+                    .map_err(journal_error)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Starts generating `request`: its prompts are leased and sent now, when a worker is
+    /// live, so they reach each worker in the order of the calls (after any weight sync
+    /// asked for before).
+    pub(super) fn start(&self, request: GenerateRequest) -> Result<Generation, RoleError> {
+        let total = request.prompts.len();
+        let mut generation = Generation {
+            request,
+            results: vec![None; total],
+            attempts: vec![0; total],
+            pending: (0..total).collect(),
+            in_flight: FuturesUnordered::new(),
+            parts: Vec::new(),
+            dropped: 0,
+        };
+        let members = lock(&self.members).clone();
+        if !members.is_empty() {
+            self.dispatch(&mut generation, &members)?;
+        }
+        Ok(generation)
+    }
+
+    /// Leases and sends the pending prompts of `generation` to `members`.
+    fn dispatch(
+        &self,
+        generation: &mut Generation,
+        members: &[Arc<Member>],
+    ) -> Result<(), RoleError> {
+        let pending = std::mem::take(&mut generation.pending);
+        let (shares, gone) = self.deal(
+            &generation.request,
+            members,
+            pending,
+            &mut generation.attempts,
+        )?;
+        for &position in &gone {
+            generation.results[position] = Some(Vec::new());
+        }
+        generation.dropped += gone.len();
+        let limit = self.settings.lease_timeout;
+        for share in shares {
+            let call = GenerateRequest {
+                prompts: share
+                    .positions
+                    .iter()
+                    .map(|&p| generation.request.prompts[p].clone())
+                    .collect(),
+                sampling: generation.request.sampling.clone(),
+            };
+            let answer = send::<_, GenerateResponse>(&share.member.client, &call);
+            generation.in_flight.push(Box::pin(async move {
+                let result = tokio::time::timeout(limit, answer)
+                    .await
+                    .unwrap_or_else(|_| {
+                        Err(RoleError::TimedOut {
+                            role: share.member.name.clone(),
+                            seconds: limit.as_secs_f64(),
+                        })
+                    });
+                (share, result)
+            }));
+        }
+        Ok(())
+    }
+
+    /// Collects the answers of `generation`, leasing again what a lost worker held.
+    pub(super) async fn finish(
+        &self,
+        mut generation: Generation,
+    ) -> Result<GenerateResponse, RoleError> {
+        loop {
+            if !generation.pending.is_empty() {
+                let members = self.live_members().await?;
+                self.dispatch(&mut generation, &members)?;
+            }
+            let Some((share, result)) = generation.in_flight.next().await else {
+                break;
+            };
+            match result {
+                Ok(response) => {
+                    generation.parts.push(response.metrics.clone());
+                    let again = self.accept(
+                        &generation.request,
+                        &share,
+                        response,
+                        &mut generation.results,
+                    )?;
+                    generation.pending.extend(again);
+                }
+                Err(err) if is_loss(&err) => {
+                    self.lose(&share.member, &err);
+                    self.revoke(&share, &err)?;
+                    generation.pending.extend(share.positions);
+                }
+                Err(err) => return Err(err),
+            }
+        }
+        let mut metrics = crate::metrics::merge_metrics(&generation.parts);
+        metrics.insert("groups_dropped".into(), generation.dropped as f64);
+        Ok(GenerateResponse {
+            groups: generation
+                .results
+                .into_iter()
+                .map(Option::unwrap_or_default)
+                .collect(),
+            metrics,
+        })
+    }
+}

@@ -1,0 +1,480 @@
+//! Weight versions between processes: a trainer snapshots its weights into buckets, serves
+//! them, and generation workers pull them along a chain (trainer -> worker 0 -> worker 1 ...),
+//! each relaying buckets as they arrive, so the trainer sends one copy of the model whatever
+//! the number of workers. Every bucket is checksummed by its sender and verified by its
+//! receiver. A version's checksum is XXH3-128 over its buckets' checksums and tensor tables
+//! in order, so a receiver that verified every bucket has it without a second pass over the
+//! bytes; it is the same for every process that buckets the same weights alike.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use rollout_net::link::{Link, LinkLimits};
+use rollout_net::messages::{Hello, PullWeights, WeightsBucket, WeightsReport};
+use rollout_net::rpc::{Incoming, Responder, RpcClient};
+use rollout_net::tensor::{TensorBytes, TensorPayloadBuilder, checksum};
+use rollout_net::{ClusterKey, NetError};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+/// Folds bucket checksums, in order, into a version checksum.
+#[derive(Default)]
+struct VersionHasher(xxhash_rust::xxh3::Xxh3);
+
+impl VersionHasher {
+    fn add(&mut self, bucket: &WeightsBucket) {
+        self.0.update(&bucket.index.to_le_bytes());
+        self.0.update(bucket.checksum.as_bytes());
+        // The table too: the same bytes under other names or shapes are other weights.
+        for meta in &bucket.tensors.tensors {
+            self.0.update(&(meta.name.len() as u64).to_le_bytes());
+            self.0.update(meta.name.as_bytes());
+            self.0.update(meta.dtype.safetensors_name().as_bytes());
+            for dim in &meta.shape {
+                self.0.update(&dim.to_le_bytes());
+            }
+            self.0.update(&meta.offset.to_le_bytes());
+            self.0.update(&meta.len.to_le_bytes());
+        }
+    }
+
+    fn finish(self) -> String {
+        format!("{:032x}", self.0.digest128())
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum WeightsError {
+    #[error(transparent)]
+    Net(#[from] NetError),
+    #[error("weight bucket {index} of version {version} from {source_name} is corrupt: {reason}")]
+    Corrupt {
+        version: u64,
+        index: u32,
+        source_name: String,
+        reason: String,
+    },
+    #[error("weight version {version} arrived with checksum {found}, but {expected} was published")]
+    ChecksumMismatch {
+        version: u64,
+        expected: String,
+        found: String,
+    },
+    #[error("{0}")]
+    Tensor(#[from] rollout_net::TensorError),
+}
+
+/// A bucket as it travels: its header and payload.
+#[derive(Debug, Clone)]
+pub struct Bucket {
+    pub header: WeightsBucket,
+    pub payload: Bytes,
+}
+
+/// One weight version, filled bucket by bucket (all at once on a trainer; as they arrive on
+/// a relaying worker).
+#[derive(Debug)]
+pub struct VersionBuffer {
+    pub version: u64,
+    pub count: u32,
+    buckets: std::sync::Mutex<Vec<Bucket>>,
+    arrived: watch::Sender<u32>,
+}
+
+impl VersionBuffer {
+    fn new(version: u64, count: u32) -> Self {
+        Self {
+            version,
+            count,
+            buckets: std::sync::Mutex::new(Vec::with_capacity(count as usize)),
+            arrived: watch::channel(0).0,
+        }
+    }
+
+    /// Cuts `tensors` into buckets of about `bucket_bytes` (a larger tensor gets its own).
+    pub fn from_tensors(
+        version: u64,
+        tensors: &[TensorBytes],
+        bucket_bytes: u64,
+    ) -> Result<Self, WeightsError> {
+        let mut groups: Vec<Vec<&TensorBytes>> = vec![Vec::new()];
+        let mut size = 0u64;
+        for tensor in tensors {
+            let len = tensor.data.len() as u64;
+            if size > 0 && size + len > bucket_bytes {
+                groups.push(Vec::new());
+                size = 0;
+            }
+            size += len;
+            if let Some(group) = groups.last_mut() {
+                group.push(tensor);
+            }
+        }
+        let count = groups.len() as u32;
+        let buffer = Self::new(version, count);
+        for (index, group) in groups.into_iter().enumerate() {
+            let bytes: usize = group.iter().map(|t| t.data.len() + 8).sum();
+            let mut builder = TensorPayloadBuilder::with_capacity(bytes);
+            for tensor in group {
+                builder.push(
+                    tensor.name.clone(),
+                    tensor.dtype,
+                    tensor.shape.clone(),
+                    &tensor.data,
+                )?;
+            }
+            let (table, payload) = builder.finish();
+            buffer.push(Bucket {
+                header: WeightsBucket {
+                    version,
+                    index: index as u32,
+                    count,
+                    checksum: checksum(&payload),
+                    tensors: table,
+                },
+                payload,
+            });
+        }
+        Ok(buffer)
+    }
+
+    fn push(&self, bucket: Bucket) {
+        let arrived = match self.buckets.lock() {
+            Ok(mut buckets) => {
+                buckets.push(bucket);
+                buckets.len() as u32
+            }
+            Err(_) => return,
+        };
+        self.arrived.send_replace(arrived);
+    }
+
+    fn bucket(&self, index: u32) -> Option<Bucket> {
+        self.buckets
+            .lock()
+            .ok()
+            .and_then(|buckets| buckets.get(index as usize).cloned())
+    }
+
+    /// Waits until bucket `index` has arrived.
+    async fn wait_for(&self, index: u32, limit: Duration) -> Option<Bucket> {
+        let mut arrived = self.arrived.subscribe();
+        let ready = tokio::time::timeout(limit, arrived.wait_for(|&n| n > index)).await;
+        match ready {
+            Ok(Ok(_)) => self.bucket(index),
+            _ => None,
+        }
+    }
+
+    /// Every tensor with its bytes, once all buckets are in.
+    pub fn tensors(&self) -> Result<Vec<TensorBytes>, WeightsError> {
+        let buckets = self.buckets.lock().map(|b| b.clone()).unwrap_or_default();
+        let mut tensors = Vec::new();
+        for bucket in &buckets {
+            for meta in &bucket.header.tensors.tensors {
+                let start = meta.offset as usize;
+                let end = start + meta.len as usize;
+                tensors.push(TensorBytes::new(
+                    meta.name.clone(),
+                    meta.dtype,
+                    meta.shape.clone(),
+                    bucket.payload.slice(start..end),
+                )?);
+            }
+        }
+        Ok(tensors)
+    }
+
+    /// The version checksum (over the bucket checksums in order).
+    pub fn checksum(&self) -> String {
+        let mut hasher = VersionHasher::default();
+        if let Ok(buckets) = self.buckets.lock() {
+            for bucket in buckets.iter() {
+                hasher.add(&bucket.header);
+            }
+        }
+        hasher.finish()
+    }
+
+    pub fn bytes(&self) -> u64 {
+        self.buckets
+            .lock()
+            .map(|b| b.iter().map(|b| b.payload.len() as u64).sum())
+            .unwrap_or(0)
+    }
+}
+
+/// The version a process serves: the newest it published or received. The controller
+/// publishes a new version only after every generator has the previous one.
+#[derive(Clone)]
+pub struct WeightStore {
+    current: watch::Sender<Option<Arc<VersionBuffer>>>,
+    /// Payload bytes this process has sent to weight pullers.
+    pub sent_bytes: Arc<AtomicU64>,
+}
+
+impl Default for WeightStore {
+    fn default() -> Self {
+        Self {
+            current: watch::channel(None).0,
+            sent_bytes: Arc::new(AtomicU64::new(0)),
+        }
+    }
+}
+
+impl WeightStore {
+    pub fn publish(&self, buffer: Arc<VersionBuffer>) {
+        self.current.send_replace(Some(buffer));
+    }
+
+    pub fn current(&self) -> Option<Arc<VersionBuffer>> {
+        self.current.borrow().clone()
+    }
+
+    /// Waits until `version` (or a newer one) is being filled here.
+    async fn wait_for_version(&self, version: u64, limit: Duration) -> Option<Arc<VersionBuffer>> {
+        let mut current = self.current.subscribe();
+        let found = tokio::time::timeout(
+            limit,
+            current.wait_for(|buffer| buffer.as_ref().is_some_and(|b| b.version >= version)),
+        )
+        .await;
+        match found {
+            Ok(Ok(buffer)) => buffer.clone(),
+            _ => None,
+        }
+    }
+
+    /// Accepts authenticated pullers on `listener` until the process ends. Connections
+    /// that fail authentication are closed before anything they sent is parsed.
+    pub fn serve(
+        &self,
+        listener: TcpListener,
+        key: ClusterKey,
+        hello: Hello,
+        limits: LinkLimits,
+        wait_limit: Duration,
+    ) {
+        let store = self.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((stream, addr)) = listener.accept().await else {
+                    continue;
+                };
+                let (store, key, hello, limits) =
+                    (store.clone(), key.clone(), hello.clone(), limits.clone());
+                tokio::spawn(async move {
+                    match Link::accept(stream, &key, &hello, &limits).await {
+                        Ok(link) => store.serve_link(link, wait_limit).await,
+                        Err(err) => tracing::warn!("weight server: refused {addr}: {err}"),
+                    }
+                });
+            }
+        });
+    }
+
+    async fn serve_link(&self, link: Link, wait_limit: Duration) {
+        let peer = link.describe();
+        let mut server = link.server();
+        while let Some(incoming) = server.requests.recv().await {
+            let responder = server.responder.clone();
+            if let Err(err) = self.answer_pull(&incoming, &responder, wait_limit).await {
+                tracing::warn!("weight server: {peer}: {err}");
+                let _ = responder.fail(incoming.call, err.to_string());
+            }
+        }
+    }
+
+    async fn answer_pull(
+        &self,
+        incoming: &Incoming,
+        responder: &Responder,
+        wait_limit: Duration,
+    ) -> Result<(), NetError> {
+        let request: PullWeights = incoming.decode().map_err(|err| NetError::BadFrame {
+            peer: "weight puller".into(),
+            reason: err.to_string(),
+        })?;
+        let missing = |what: String| NetError::Remote {
+            peer: "weight server".into(),
+            message: what,
+        };
+        let buffer = self
+            .wait_for_version(request.version, wait_limit)
+            .await
+            .ok_or_else(|| missing(format!("version {} never arrived here", request.version)))?;
+        if buffer.version != request.version {
+            return Err(missing(format!(
+                "version {} was replaced by {} before it was pulled",
+                request.version, buffer.version
+            )));
+        }
+        for index in 0..buffer.count {
+            let bucket = buffer
+                .wait_for(index, wait_limit)
+                .await
+                .ok_or_else(|| missing(format!("bucket {index} never arrived here")))?;
+            let more = index + 1 < buffer.count;
+            self.sent_bytes
+                .fetch_add(bucket.payload.len() as u64, Ordering::Relaxed);
+            responder.reply(incoming.call, &bucket.header, bucket.payload, more)?;
+        }
+        Ok(())
+    }
+
+    /// Pulls `report.version` from `source`, verifying each bucket before storing it here
+    /// (where this process's own weight server relays it on at once), then the whole
+    /// version's checksum.
+    pub async fn pull(
+        &self,
+        source: &RpcClient,
+        report: &WeightsReport,
+    ) -> Result<Arc<VersionBuffer>, WeightsError> {
+        let source_name = source.describe().to_owned();
+        let mut call = source.call(
+            &PullWeights {
+                version: report.version,
+            },
+            Bytes::new(),
+        )?;
+        let mut buffer: Option<Arc<VersionBuffer>> = None;
+        let mut version_hasher = VersionHasher::default();
+        while let Some(frame) = call.next_frame().await? {
+            let (header, more, payload) = call.decode::<WeightsBucket>(frame)?;
+            let corrupt = |reason: String| WeightsError::Corrupt {
+                version: report.version,
+                index: header.index,
+                source_name: source_name.clone(),
+                reason,
+            };
+            let expected_index = buffer.as_ref().map_or(0, |b| b.bucket_count_so_far());
+            if header.version != report.version
+                || header.index != expected_index
+                || header.count == 0
+                || (more != (header.index + 1 < header.count))
+            {
+                return Err(corrupt(format!(
+                    "out of sequence (version {}, bucket {} of {})",
+                    header.version, header.index, header.count
+                )));
+            }
+            let found = checksum(&payload);
+            if found != header.checksum {
+                return Err(corrupt(format!(
+                    "checksum {found}, the sender computed {}",
+                    header.checksum
+                )));
+            }
+            header
+                .tensors
+                .validate(payload.len() as u64)
+                .map_err(|err| corrupt(err.to_string()))?;
+            let target = buffer.get_or_insert_with(|| {
+                let buffer = Arc::new(VersionBuffer::new(report.version, header.count));
+                self.publish(buffer.clone());
+                buffer
+            });
+            if header.count != target.count {
+                return Err(corrupt("the bucket count changed mid-version".into()));
+            }
+            version_hasher.add(&header);
+            target.push(Bucket { header, payload });
+        }
+        let buffer = buffer.ok_or_else(|| WeightsError::Corrupt {
+            version: report.version,
+            index: 0,
+            source_name: source_name.clone(),
+            reason: "no buckets".into(),
+        })?;
+        if buffer.bucket_count_so_far() != buffer.count {
+            return Err(WeightsError::Corrupt {
+                version: report.version,
+                index: buffer.bucket_count_so_far(),
+                source_name,
+                reason: "the stream ended early".into(),
+            });
+        }
+        let found = version_hasher.finish();
+        if found != report.checksum {
+            return Err(WeightsError::ChecksumMismatch {
+                version: report.version,
+                expected: report.checksum.clone(),
+                found,
+            });
+        }
+        Ok(buffer)
+    }
+}
+
+impl VersionBuffer {
+    fn bucket_count_so_far(&self) -> u32 {
+        *self.arrived.borrow()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use rollout_net::Dtype;
+
+    use super::*;
+
+    fn tensors() -> Vec<TensorBytes> {
+        (0..5)
+            .map(|i| TensorBytes {
+                name: format!("layer.{i}.weight"),
+                dtype: Dtype::F32,
+                shape: vec![4, 4 + i],
+                data: (0..(16 * (4 + i)))
+                    .map(|b| (b * 7 + i) as u8)
+                    .collect::<Vec<u8>>()
+                    .into(),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn bucketing_keeps_every_tensor_in_order() {
+        let tensors = tensors();
+        for bucket_bytes in [1, 100, 200, 1 << 20] {
+            let buffer = VersionBuffer::from_tensors(3, &tensors, bucket_bytes).unwrap();
+            let back = buffer.tensors().unwrap();
+            assert_eq!(back.len(), tensors.len());
+            assert_eq!(back, tensors);
+            let again = VersionBuffer::from_tensors(3, &tensors, bucket_bytes).unwrap();
+            assert_eq!(buffer.checksum(), again.checksum());
+        }
+        assert_eq!(
+            VersionBuffer::from_tensors(3, &tensors, 1).unwrap().count,
+            5
+        );
+        assert_eq!(
+            VersionBuffer::from_tensors(3, &tensors, 1 << 20)
+                .unwrap()
+                .count,
+            1
+        );
+    }
+
+    #[test]
+    fn the_checksum_sees_a_flipped_bit_and_a_renamed_tensor() {
+        let checksum = |tensors: &[TensorBytes]| {
+            VersionBuffer::from_tensors(1, tensors, 200)
+                .unwrap()
+                .checksum()
+        };
+        let tensors = tensors();
+        let original = checksum(&tensors);
+        let mut flipped = tensors.clone();
+        let mut data = flipped[2].data.to_vec();
+        data[5] ^= 1;
+        flipped[2].data = data.into();
+        assert_ne!(checksum(&flipped), original);
+        let mut renamed = tensors.clone();
+        renamed[0].name = "layer.0.bias".into();
+        assert_ne!(checksum(&renamed), original);
+    }
+}

@@ -1,0 +1,203 @@
+//! The interfaces between the controller and the parts that do the work.
+//!
+//! The controller (data, advantages, batching, checkpoints) talks to generation, scoring,
+//! training, environments and observers only through these traits, with the message types of
+//! `rollout_net`. The crate `rollout-python` implements them in one process on the embedded
+//! interpreter; [`crate::cluster`] implements them across processes and machines. Nothing
+//! here knows about Python: a role's failure is a [`RoleError`], whoever reports it.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::path::PathBuf;
+use std::pin::Pin;
+
+use crate::metrics::StepMetrics;
+use rollout_net::messages::{
+    GenerateRequest, GenerateResponse, ScoreRequest, ScoreResponse, TrainRequest, TrainResponse,
+    ValuesRequest, ValuesResponse, WeightsReport,
+};
+
+pub type RoleFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, RoleError>> + Send + 'a>>;
+
+/// Finishes when the files of a checkpoint taken by [`Learner::save_in_background`] are
+/// written.
+pub type SaveWritten = RoleFuture<'static, ()>;
+
+/// Why a role could not do what it was asked: the same for a role in this process and one
+/// on another machine.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum RoleError {
+    /// User code failed: the message names the plugin, its config location and the hook, and
+    /// carries the traceback.
+    #[error("{0}")]
+    Plugin(String),
+    /// The runtime hosting the plugins failed (e.g. the interpreter could not start).
+    #[error("{0}")]
+    Runtime(String),
+    /// The process serving the role died or its connection was lost.
+    #[error("lost {role}: {reason}")]
+    WorkerLost { role: String, reason: String },
+    /// The role did not answer in time.
+    #[error("{role} did not answer within {seconds:.0} s")]
+    TimedOut { role: String, seconds: f64 },
+    /// The role answered something that breaks the contract.
+    #[error("{0}")]
+    Protocol(String),
+}
+
+pub trait Generator: Send + Sync {
+    /// Samples completions with the weights the generator currently holds.
+    fn generate(&self, request: GenerateRequest) -> RoleFuture<'_, GenerateResponse>;
+    /// Makes `weights` the version served from the next generation request on (a request
+    /// already running finishes with the version it started with). Returns what each
+    /// generation worker then serves. In-process, the generator shares the learner's
+    /// weights and there is nothing to copy.
+    fn load_weights(&self, weights: WeightsReport) -> RoleFuture<'_, Vec<WeightsReport>>;
+    /// The update of `step` has been applied: whatever the generator tracks about the
+    /// step's samples is settled. Returns the generator's metrics since the last call.
+    fn step_trained(&self, _step: u64) -> RoleFuture<'_, BTreeMap<String, f64>> {
+        Box::pin(async { Ok(BTreeMap::new()) })
+    }
+    /// The learner restarted from the checkpoint of `step`; later updates are undone.
+    fn resumed_from(&self, _step: u64) -> RoleFuture<'_, ()> {
+        Box::pin(async { Ok(()) })
+    }
+}
+
+pub trait Scorer: Send + Sync {
+    fn score(&self, request: ScoreRequest) -> RoleFuture<'_, ScoreResponse>;
+}
+
+pub trait Learner: Send + Sync {
+    /// Applies `request.epochs` optimizer updates and returns the new weight version.
+    fn train(&self, request: TrainRequest) -> RoleFuture<'_, TrainResponse>;
+    /// The value head's predictions for every token of the micro-batches (PPO).
+    fn values(&self, request: ValuesRequest) -> RoleFuture<'_, ValuesResponse>;
+    /// Writes the weights and optimizer state into `directory`.
+    fn save(&self, directory: PathBuf) -> RoleFuture<'_, ()>;
+    /// Copies what `save` would write and returns once the copy is taken, so training can
+    /// go on; the files are written into `directory` in the background, until the returned
+    /// [`SaveWritten`] finishes. Saves in the foreground unless the learner can do better.
+    fn save_in_background(&self, directory: PathBuf) -> RoleFuture<'_, SaveWritten> {
+        Box::pin(async move {
+            self.save(directory).await?;
+            Ok(Box::pin(async { Ok(()) }) as SaveWritten)
+        })
+    }
+    /// Restores what `save` wrote; the weights become `weight_version`.
+    fn restore(&self, directory: PathBuf, weight_version: u64) -> RoleFuture<'_, ()>;
+    /// Exports the current weights as a version generators can load, in buckets of
+    /// `bucket_bytes`.
+    fn publish_weights(&self, bucket_bytes: u64) -> RoleFuture<'_, WeightsReport>;
+    /// Whether generators need `publish_weights` + `Generator::load_weights` after an update
+    /// (not when they share the learner's weights in one process).
+    fn needs_weight_sync(&self) -> bool;
+}
+
+pub trait Tokenizer: Send + Sync {
+    /// Tokenises prompts, or (`continuation`) text that extends an existing context.
+    fn encode(&self, texts: Vec<String>, continuation: bool) -> RoleFuture<'_, Vec<Vec<u32>>>;
+    fn decode(&self, sequences: Vec<Vec<u32>>) -> RoleFuture<'_, Vec<String>>;
+    fn eos_token_ids(&self) -> RoleFuture<'_, Vec<u32>>;
+}
+
+/// One prompt record after the data source's transforms: its prompt and every field (JSON).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Record {
+    pub prompt: String,
+    pub fields: serde_json::Value,
+}
+
+/// One episode to start: its data record and the seed shared by its group.
+#[derive(Debug, Clone)]
+pub struct EpisodeStart {
+    pub record: serde_json::Value,
+    pub seed: u64,
+}
+
+/// The environment's answer to one turn.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepResult {
+    pub observation: String,
+    pub reward: f64,
+    pub done: bool,
+}
+
+/// Why one episode ended early: a call of its (sandboxed) environment raised, hung,
+/// crashed, ran out of memory or answered nonsense, or the process holding its state was
+/// restarted. Only that episode fails; the run goes on.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EpisodeFailure {
+    /// The hook that failed: `reset` or `step`.
+    pub hook: &'static str,
+    pub reason: rollout_net::messages::FailureReason,
+    /// One line: the exception, the timeout, the signal.
+    pub message: String,
+    pub traceback: Option<String>,
+}
+
+/// One episode's answer to a call: failed episodes are not called again (but are finished).
+pub type EpisodeResult<T> = Result<T, EpisodeFailure>;
+
+pub trait Environments: Send + Sync {
+    /// Starts episodes and returns their first prompts; episode `i` has id `first_id + i`.
+    fn start(
+        &self,
+        first_id: u64,
+        episodes: Vec<EpisodeStart>,
+    ) -> RoleFuture<'_, Vec<EpisodeResult<String>>>;
+    /// One outcome per action, in order.
+    fn step(&self, actions: Vec<(u64, String)>) -> RoleFuture<'_, Vec<EpisodeResult<StepResult>>>;
+    /// Releases the episodes of `ids` (finished or failed). Fails the run when failed
+    /// episodes pass the configured limits.
+    fn finish(&self, ids: Vec<u64>) -> RoleFuture<'_, ()>;
+}
+
+/// Whose turn it is in a multi-agent episode, and the whole prompt that agent sees.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AgentTurn {
+    pub agent: String,
+    pub prompt: String,
+}
+
+/// A multi-agent environment's answer to one turn: rewards to any agents, and the next turn
+/// (`None`: the episode is over).
+#[derive(Debug, Clone, PartialEq)]
+pub struct JointOutcome {
+    pub rewards: BTreeMap<String, f64>,
+    pub next: Option<AgentTurn>,
+}
+
+/// Episodes in which several agents take turns; a call that fails fails the run.
+pub trait MultiAgentEnvironments: Send + Sync {
+    /// Starts episodes and returns their first turns; episode `i` has id `first_id + i`.
+    fn start(&self, first_id: u64, episodes: Vec<EpisodeStart>) -> RoleFuture<'_, Vec<AgentTurn>>;
+    /// One outcome per action (the text of the turn last handed to that episode), in order.
+    fn step(&self, actions: Vec<(u64, String)>) -> RoleFuture<'_, Vec<JointOutcome>>;
+    /// Releases the episodes of `ids`.
+    fn finish(&self, ids: Vec<u64>) -> RoleFuture<'_, ()>;
+}
+
+/// Run-level events for callbacks; observers cannot fail a run.
+pub trait Observer: Send + Sync {
+    fn run_started(&self, info: RunStarted) -> Pin<Box<dyn Future<Output = ()> + Send + '_>>;
+    fn step_ended(&self, metrics: StepMetrics) -> Pin<Box<dyn Future<Output = ()> + Send + '_>>;
+    fn checkpoint_written(
+        &self,
+        step: u64,
+        path: PathBuf,
+    ) -> Pin<Box<dyn Future<Output = ()> + Send + '_>>;
+    fn run_ended(
+        &self,
+        summary: serde_json::Value,
+    ) -> Pin<Box<dyn Future<Output = ()> + Send + '_>>;
+}
+
+#[derive(Debug, Clone)]
+pub struct RunStarted {
+    pub name: String,
+    pub output_dir: PathBuf,
+    pub total_steps: u64,
+    pub start_step: u64,
+    pub config: serde_json::Value,
+}

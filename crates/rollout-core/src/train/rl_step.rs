@@ -1,0 +1,272 @@
+//! One RL step's update: the step's samples as micro-batches of its algorithm's objective
+//! (with PPO's value targets), trained while later steps are sampled, then the new weights
+//! sent to the generators.
+
+use std::time::Instant;
+
+use rollout_net::messages::{KlPenalty, MicroBatch, Objective, TrainRequest, ValuesRequest};
+use serde_json::Value;
+use tracing::Instrument;
+
+use super::pipeline::{Pipeline, StepSamples};
+use super::sampler::{Collected, Sampler, Trajectory};
+use super::step_report::StepReport;
+use super::{Controller, PackingStats, RunError, TrainSequence, micro_batches, ppo};
+use crate::config::{Algorithm, Config};
+use crate::metrics::StepMetrics;
+use crate::roles::RoleError;
+
+/// The objective of RL step `step`'s update under `[algorithm]`.
+pub(super) fn rl_objective(config: &Config, step: u64) -> Objective {
+    let algorithm = &config.algorithm;
+    let (clip_low, clip_high) = algorithm.clip();
+    let temperature = if config.rollout.temperature > 0.0 {
+        config.rollout.temperature
+    } else {
+        1.0
+    };
+    let kl_coef = algorithm.kl_coef;
+    match algorithm.name {
+        Algorithm::Ppo => Objective::Ppo {
+            clip_low,
+            clip_high,
+            kl_coef,
+            temperature,
+            value_clip: algorithm.value_clip,
+            value_coef: algorithm.value_coef,
+            train_policy: step > algorithm.critic_warmup_steps,
+        },
+        Algorithm::Gspo => Objective::Gspo {
+            clip_low,
+            clip_high,
+            kl_coef,
+            temperature,
+        },
+        name => Objective::Grpo {
+            clip_low,
+            clip_high,
+            kl_coef,
+            temperature,
+            kl_penalty: if name == Algorithm::ReinforcePp {
+                KlPenalty::Reward
+            } else {
+                KlPenalty::Loss
+            },
+        },
+    }
+}
+
+impl<'a> Controller<'a> {
+    /// One RL step: trains on one step's samples (sampling of later steps goes on
+    /// meanwhile) and sends the new weights to the generators; returns the step's metrics
+    /// and the samples to log. `started` is when the previous step ended.
+    pub(super) async fn rl_step(
+        &self,
+        sampler: &Sampler<'a>,
+        samples: StepSamples,
+        pipeline: &mut Pipeline<'a>,
+        started: Instant,
+    ) -> Result<(StepMetrics, Vec<Value>), RunError> {
+        let StepSamples {
+            step,
+            epoch,
+            records,
+            collected,
+            ..
+        } = samples;
+        let collected = collected?;
+        let trained_version = self.state.weight_version;
+        self.check_staleness(step, &collected.trajectories)?;
+
+        let training = Instant::now();
+        let (batches, packing) = self
+            .micro_batches(sampler, step, &collected, pipeline)
+            .await?;
+        let learning_rate = self.learning_rate(self.state.weight_version);
+        let training_span = tracing::info_span!("train", step, micro_batches = batches.len());
+        let response = pipeline
+            .while_running(
+                sampler
+                    .roles
+                    .learner
+                    .train(TrainRequest {
+                        micro_batches: batches,
+                        learning_rate,
+                        epochs: self.config.algorithm.epochs,
+                    })
+                    .instrument(training_span),
+            )
+            .await??;
+        let train_seconds = training.elapsed().as_secs_f64();
+        let sync_started = Instant::now();
+        self.send_weights(sampler, step, pipeline).await?;
+        let weight_sync_seconds = sync_started.elapsed().as_secs_f64();
+
+        let report = StepReport {
+            step,
+            epoch,
+            records,
+            collected,
+            response,
+            packing,
+            learning_rate,
+            trained_version,
+            train_seconds,
+            weight_sync_seconds,
+            step_seconds: started.elapsed().as_secs_f64(),
+            has_environment: sampler.roles.environments.is_some(),
+        };
+        Ok(report.into_lines(sampler, self.config.run.log_samples))
+    }
+
+    fn check_staleness(&self, step: u64, trajectories: &[Trajectory]) -> Result<(), RunError> {
+        let trained_version = self.state.weight_version;
+        let max_staleness = trajectories
+            .iter()
+            .map(|t| trained_version.saturating_sub(t.weight_version))
+            .max()
+            .unwrap_or(0);
+        if max_staleness > self.max_staleness() {
+            return Err(RunError::Data(format!(
+                "step {step}: a sample generated with weights {} is {max_staleness} versions \
+                 behind the trainer ({trained_version}), past cluster.max_staleness = {}",
+                trained_version - max_staleness,
+                self.max_staleness()
+            )));
+        }
+        Ok(())
+    }
+
+    /// The step's samples as micro-batches of its objective. A sample whose reward failed
+    /// is not trained on at all (no loss, no KL term, not in the token count the loss is
+    /// normalised by). PPO's carry their reward, which GAE turns into token advantages
+    /// with the value head's predictions.
+    async fn micro_batches(
+        &self,
+        sampler: &Sampler<'a>,
+        step: u64,
+        collected: &Collected,
+        pipeline: &mut Pipeline<'a>,
+    ) -> Result<(Vec<MicroBatch>, PackingStats), RunError> {
+        let algorithm = &self.config.algorithm;
+        let ppo = algorithm.name == Algorithm::Ppo;
+        let per_sequence = if ppo {
+            &collected.rewards
+        } else {
+            &collected.advantages
+        };
+        let sequences: Vec<TrainSequence> = collected
+            .trajectories
+            .iter()
+            .zip(per_sequence)
+            .zip(&collected.failures)
+            .filter(|(_, failure)| failure.is_none())
+            .map(|((trajectory, &advantage), _)| TrainSequence {
+                tokens: trajectory.tokens.clone(),
+                loss_mask: trajectory.loss_mask.clone(),
+                logprobs: trajectory.logprobs.clone(),
+                advantage: advantage as f32,
+            })
+            .collect();
+        let objective = rl_objective(self.config, step);
+        // A zero advantage is no gradient, unless a KL term or PPO's value loss remains.
+        let skip_zero = algorithm.kl_coef == 0.0 && !ppo;
+        let budget = self.config.train.micro_batch_tokens;
+        let (mut batches, packing) = micro_batches(&sequences, &objective, budget, skip_zero);
+        if ppo {
+            let request = ValuesRequest {
+                micro_batches: batches.clone(),
+            };
+            let values = pipeline
+                .while_running(
+                    sampler
+                        .roles
+                        .learner
+                        .values(request)
+                        .instrument(tracing::info_span!("values", step)),
+                )
+                .await??;
+            ppo::attach_targets(&mut batches, values.values, algorithm)
+                .map_err(|err| RoleError::Protocol(format!("the value head: {err}")))?;
+        }
+        Ok((batches, packing))
+    }
+
+    /// Sends the learner's new weights to generators that hold their own; with no
+    /// staleness allowed, waits until they serve them.
+    async fn send_weights(
+        &self,
+        sampler: &Sampler<'a>,
+        step: u64,
+        pipeline: &mut Pipeline<'a>,
+    ) -> Result<(), RunError> {
+        let roles = sampler.roles;
+        if !roles.learner.needs_weight_sync() {
+            return Ok(());
+        }
+        // A trainer serves one version at a time: the previous one must have reached
+        // every generator before the next replaces it.
+        pipeline.finish_loading().await?;
+        let published = pipeline
+            .while_running(
+                roles
+                    .learner
+                    .publish_weights(self.config.cluster.weight_bucket_bytes)
+                    .instrument(tracing::info_span!("weights.publish", step)),
+            )
+            .await??;
+        // Its own top-level span: with staleness, the load goes on into later steps.
+        let loading =
+            tracing::info_span!(parent: None, "weights.load", step, version = published.version);
+        pipeline.load(roles.generator.load_weights(published).instrument(loading));
+        if self.max_staleness() == 0 {
+            pipeline.finish_loading().await?;
+        }
+        Ok(())
+    }
+
+    /// Brings the generators to the learner's current weights and waits for them (at the
+    /// start, after the warm start and after a resume).
+    pub(super) async fn sync_generators_now(&self, sampler: &Sampler<'a>) -> Result<(), RunError> {
+        let roles = sampler.roles;
+        if !roles.learner.needs_weight_sync() {
+            return Ok(());
+        }
+        let span = tracing::info_span!("weights.sync");
+        let published = roles
+            .learner
+            .publish_weights(self.config.cluster.weight_bucket_bytes)
+            .instrument(tracing::info_span!(parent: &span, "weights.publish"))
+            .await?;
+        let served = roles
+            .generator
+            .load_weights(published.clone())
+            .instrument(
+                tracing::info_span!(parent: &span, "weights.load", version = published.version),
+            )
+            .await?;
+        tracing::info!(
+            "generators serve weight version {} (checksum {}, {} workers)",
+            published.version,
+            &published.checksum[..published.checksum.len().min(16)],
+            served.len()
+        );
+        Ok(())
+    }
+
+    /// Linear warm-up over `train.warmup_steps` RL updates, then constant.
+    pub(super) fn learning_rate(&self, weight_version: u64) -> f64 {
+        let rl_updates = weight_version.saturating_sub(self.state.sft_step) + 1;
+        warmed_up(self.config.train.learning_rate, self.config, rl_updates)
+    }
+}
+
+/// `rate` for the `rl_update`-th RL update (from 1): linear warm-up over
+/// `train.warmup_steps` updates, then constant.
+pub(super) fn warmed_up(rate: f64, config: &Config, rl_update: u64) -> f64 {
+    let warmup = config.train.warmup_steps;
+    if warmup == 0 {
+        return rate;
+    }
+    rate * (rl_update as f64 / warmup as f64).min(1.0)
+}

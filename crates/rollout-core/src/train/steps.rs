@@ -1,0 +1,224 @@
+//! The steps of a run, by kind: what differs between an RL run of one policy, an SFT or DPO
+//! run and a multi-agent run is how the next step is made; [`StepDone`] is what each hands
+//! back to the controller's one loop.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use serde_json::Value;
+use tracing::Instrument;
+
+use super::offline::OfflineData;
+use super::pipeline::{Pipeline, StepSamples};
+use super::{Controller, DataCursor, DataPosition, Kind, RunError, Sampler, team};
+use crate::metrics::StepMetrics;
+use crate::seeds::mix;
+
+/// A step trained: its metrics line, where the data cursor stands after it, the samples to
+/// log and its span (`--trace`).
+pub(super) struct StepDone {
+    pub metrics: StepMetrics,
+    pub position: DataPosition,
+    pub samples: Vec<Value>,
+    pub span: tracing::Span,
+}
+
+/// The state a run's steps carry from one to the next.
+pub(super) enum Steps<'a> {
+    Rl(RlSteps<'a>),
+    Offline(OfflineSteps<'a>),
+    Team(DataCursor),
+}
+
+/// RL steps: later steps are sampled while earlier ones train, within `max_staleness`.
+pub(super) struct RlSteps<'a> {
+    sampler: Sampler<'a>,
+    cursor: DataCursor,
+    pipeline: Pipeline<'a>,
+    /// Where the data cursor stood after each started step's prompts were drawn.
+    positions: BTreeMap<u64, DataPosition>,
+    next_step: u64,
+    last_step_end: Instant,
+}
+
+/// SFT or DPO steps on the data's own completions.
+pub(super) struct OfflineSteps<'a> {
+    sampler: Sampler<'a>,
+    data: OfflineData,
+    cursor: DataCursor,
+}
+
+impl Steps<'_> {
+    /// Waits for what the steps left running (weight loads of RL steps).
+    pub async fn finish(self) -> Result<(), RunError> {
+        match self {
+            Steps::Rl(mut rl) => Ok(rl.pipeline.finish_loading().await?),
+            Steps::Offline(_) | Steps::Team(_) => Ok(()),
+        }
+    }
+}
+
+impl<'a> Controller<'a> {
+    /// The run's steps from where it stands. An RL run first finishes its supervised warm
+    /// start (`[sft]`, checkpointed) and brings the generators to the current weights.
+    pub(super) async fn steps(&mut self, resumed: bool) -> Result<Steps<'a>, RunError> {
+        let cursor = DataCursor::new(
+            self.records.len(),
+            mix(self.config.run.seed, 1),
+            self.config.data.shuffle,
+            self.state.data,
+        );
+        let sampler = match &self.kind {
+            Kind::Team(_) => return Ok(Steps::Team(cursor)),
+            Kind::Policy(sampler) => sampler.clone(),
+        };
+        if !self.config.algorithm.name.samples() {
+            let data = self.offline_data(&sampler).await?;
+            return Ok(Steps::Offline(OfflineSteps {
+                sampler,
+                data,
+                cursor,
+            }));
+        }
+        if let Some(sft) = &self.config.sft {
+            if self.state.sft_step < sft.steps {
+                self.supervised_warm_start(&sampler, sft, resumed).await?;
+                if !self.stopping() {
+                    self.checkpoint().await?;
+                }
+            }
+        }
+        self.sync_generators_now(&sampler).await?;
+        Ok(Steps::Rl(RlSteps {
+            sampler,
+            cursor,
+            pipeline: Pipeline::default(),
+            positions: BTreeMap::new(),
+            next_step: self.state.step + 1,
+            last_step_end: Instant::now(),
+        }))
+    }
+
+    /// Makes the run's next step; `None` when there is none left to make.
+    pub(super) async fn next_step(
+        &mut self,
+        steps: &mut Steps<'a>,
+    ) -> Result<Option<StepDone>, RunError> {
+        match steps {
+            Steps::Rl(rl) => self.next_rl_step(rl).await,
+            Steps::Offline(offline) => {
+                let step = self.state.step + 1;
+                let span = tracing::info_span!("step", step);
+                let (metrics, position) = self
+                    .offline_step(&offline.sampler, &offline.data, &mut offline.cursor, step)
+                    .instrument(span.clone())
+                    .await?;
+                Ok(Some(StepDone {
+                    metrics,
+                    position,
+                    samples: Vec::new(),
+                    span,
+                }))
+            }
+            Steps::Team(cursor) => {
+                let Kind::Team(team) = &self.kind else {
+                    return Ok(None);
+                };
+                let step = self.state.step + 1;
+                let picked = cursor.take(self.config.rollout.prompts_per_step);
+                let position = cursor.position();
+                let span = tracing::info_span!(parent: None, "step", step);
+                let records: Vec<Value> = picked
+                    .iter()
+                    .map(|&i| self.records[i].fields.clone())
+                    .collect();
+                let (metrics, samples) = team::step(
+                    self.config,
+                    team,
+                    step,
+                    position.epoch,
+                    &records,
+                    self.state.weight_version,
+                )
+                .instrument(span.clone())
+                .await?;
+                Ok(Some(StepDone {
+                    metrics,
+                    position,
+                    samples,
+                    span,
+                }))
+            }
+        }
+    }
+
+    /// Starts sampling every step the staleness bound admits, then trains the oldest.
+    async fn next_rl_step(&mut self, rl: &mut RlSteps<'a>) -> Result<Option<StepDone>, RunError> {
+        while rl.next_step <= self.config.run.steps
+            && rl.next_step <= self.state.step + 1 + self.max_staleness()
+        {
+            self.start_sampling(rl);
+        }
+        let Some(sampled) = rl.pipeline.next_samples().await? else {
+            return Ok(None);
+        };
+        let step = sampled.step;
+        let span = sampled.span.clone();
+        let (mut metrics, samples) = self
+            .rl_step(&rl.sampler, sampled, &mut rl.pipeline, rl.last_step_end)
+            .instrument(span.clone())
+            .await?;
+        rl.last_step_end = Instant::now();
+        let pool = rl
+            .sampler
+            .roles
+            .generator
+            .step_trained(step)
+            .instrument(span.clone())
+            .await?;
+        metrics.measured.extend(pool);
+        Ok(Some(StepDone {
+            metrics,
+            position: rl.positions.remove(&step).unwrap_or(self.state.data),
+            samples,
+            span,
+        }))
+    }
+
+    /// Draws the records of step `rl.next_step` and starts sampling them.
+    fn start_sampling(&self, rl: &mut RlSteps<'a>) {
+        let step = rl.next_step;
+        let records = rl.cursor.take(self.prompts_drawn_per_step());
+        let position = rl.cursor.position();
+        rl.positions.insert(step, position);
+        let seed = mix(self.config.run.seed, 1000 + step);
+        let sampler = rl.sampler.clone();
+        // A step's span runs from the start of its sampling (with staleness, while earlier
+        // steps train) to the end of its update.
+        let span = tracing::info_span!(parent: None, "step", step);
+        let sampling = tracing::info_span!(parent: &span, "sample", step);
+        rl.pipeline.start(async move {
+            let collected = sampler
+                .collect(step, &records, seed)
+                .instrument(sampling)
+                .await;
+            let records = collected.as_ref().map_or(records, |c| c.records.clone());
+            StepSamples {
+                step,
+                epoch: position.epoch,
+                records,
+                collected,
+                span,
+            }
+        });
+        rl.next_step += 1;
+    }
+
+    /// Records drawn for each step: its prompts and, with dynamic sampling, a reserve of
+    /// `prompts_per_step` per refill round, drawn whether used or not so that the data
+    /// order never depends on rewards (a resumed run draws exactly the same).
+    fn prompts_drawn_per_step(&self) -> usize {
+        let rounds = self.config.algorithm.dynamic_sampling_rounds as usize;
+        self.config.rollout.prompts_per_step * (1 + rounds)
+    }
+}

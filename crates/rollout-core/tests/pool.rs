@@ -1,0 +1,312 @@
+//! The generation pool against fake workers over real authenticated links: no Python, no
+//! model.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use rollout_core::cluster::ledger::{Ledger, audit};
+use rollout_core::cluster::pool::{PoolSettings, RemoteWorkers};
+use rollout_core::roles::Generator;
+use rollout_core::telemetry::Telemetry;
+use rollout_net::ClusterKey;
+use rollout_net::link::{Link, LinkLimits};
+use rollout_net::messages::{
+    Done, GenerateRequest, GenerateResponse, GroupRef, MessageKind, PromptRequest, SamplingParams,
+    SyncWeights, WeightsReport,
+};
+use rollout_testkit::fakes::worker::{Behaviour, fake_worker, hello, seed_completion};
+
+fn request(step: u64, prompts: u32) -> GenerateRequest {
+    GenerateRequest {
+        prompts: (0..prompts)
+            .map(|index| PromptRequest {
+                prompt_ids: vec![1, 2, 3],
+                n: 2,
+                max_new_tokens: Vec::new(),
+                seed: Some(u64::from(100 + index)),
+                group: Some(GroupRef { step, index }),
+            })
+            .collect(),
+        sampling: SamplingParams {
+            max_new_tokens: 4,
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            stop_token_ids: Vec::new(),
+            stop_strings: Vec::new(),
+            ignore_eos: false,
+            seed: 7,
+        },
+    }
+}
+
+async fn pool(
+    behaviours: &[Behaviour],
+    settings: PoolSettings,
+    journal: &std::path::Path,
+) -> RemoteWorkers {
+    let key = ClusterKey::from_secret(ClusterKey::random_secret().as_bytes()).unwrap();
+    let mut clients = Vec::new();
+    for (index, &behaviour) in behaviours.iter().enumerate() {
+        clients.push(
+            fake_worker(&key, &format!("fake-{index}"), behaviour)
+                .await
+                .unwrap(),
+        );
+    }
+    RemoteWorkers::new(clients, Ledger::new(Some(journal)), settings)
+}
+
+fn assert_every_prompt_answered(response: &GenerateResponse, prompts: u32) {
+    assert_eq!(response.groups.len(), prompts as usize);
+    for (index, group) in response.groups.iter().enumerate() {
+        assert_eq!(group.len(), 2, "prompt {index}");
+        assert!(
+            group
+                .iter()
+                .all(|c| c.token_ids == vec![100 + index as u32])
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_worker_lost_mid_request_has_its_groups_generated_by_the_others() {
+    let dir = tempfile::tempdir().unwrap();
+    let journal = dir.path().join("ledger.jsonl");
+    let telemetry = Telemetry::new();
+    let settings = PoolSettings {
+        health: telemetry.health(),
+        ..PoolSettings::default()
+    };
+    let workers = pool(
+        &[
+            Behaviour::Healthy,
+            Behaviour::DiesOnRequest,
+            Behaviour::Healthy,
+        ],
+        settings,
+        &journal,
+    )
+    .await;
+    let response = workers.generate(request(1, 12)).await.unwrap();
+    assert_every_prompt_answered(&response, 12);
+    assert_eq!(response.metrics["groups_dropped"], 0.0);
+    let metrics = workers.step_trained(1).await.unwrap();
+    assert_eq!(metrics["workers"], 2.0);
+    assert_eq!(metrics["workers_lost"], 1.0);
+    // `/metrics` shows who is up and who was lost.
+    let text = telemetry.render().unwrap();
+    for series in [
+        "rollout_worker_up{role=\"worker\",worker=\"fake-0\"} 1",
+        "rollout_worker_up{role=\"worker\",worker=\"fake-1\"} 0",
+        "rollout_worker_losses_total{role=\"worker\",worker=\"fake-1\"} 1",
+        "rollout_worker_losses_total{role=\"worker\",worker=\"fake-2\"} 0",
+    ] {
+        assert!(text.lines().any(|line| line == series), "{series}\n{text}");
+    }
+    workers.report_left();
+    let text = telemetry.render().unwrap();
+    assert!(!text.contains("rollout_worker_up{role=\"worker\",worker=\"fake-2\"} 1"));
+    // Round-robin gave the dying worker 4 of the 12 groups; they were leased again.
+    assert_eq!(metrics["leases_revoked"], 4.0);
+    assert_eq!(metrics["leases"], 16.0);
+    let audited = audit(&journal).unwrap();
+    assert_eq!(audited.groups_trained, 12);
+    assert_eq!((audited.groups_lost, audited.groups_duplicated), (0, 0));
+}
+
+#[tokio::test]
+async fn a_worker_past_its_lease_deadline_is_dropped_and_its_groups_leased_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let settings = PoolSettings {
+        lease_timeout: Duration::from_millis(300),
+        ..PoolSettings::default()
+    };
+    let workers = pool(
+        &[Behaviour::Hangs, Behaviour::Healthy],
+        settings,
+        &dir.path().join("ledger.jsonl"),
+    )
+    .await;
+    let response = tokio::time::timeout(Duration::from_secs(10), workers.generate(request(1, 6)))
+        .await
+        .expect("the hung worker's groups must not wait forever")
+        .unwrap();
+    assert_every_prompt_answered(&response, 6);
+    let metrics = workers.step_trained(1).await.unwrap();
+    assert_eq!((metrics["workers"], metrics["leases_revoked"]), (1.0, 3.0));
+}
+
+#[tokio::test]
+async fn groups_are_dropped_after_their_attempts_and_generation_fails_without_workers() {
+    let dir = tempfile::tempdir().unwrap();
+    let settings = PoolSettings {
+        max_attempts: 1,
+        join_timeout: Duration::from_millis(200),
+        ..PoolSettings::default()
+    };
+    let workers = pool(
+        &[Behaviour::DiesOnRequest, Behaviour::Healthy],
+        settings,
+        &dir.path().join("ledger.jsonl"),
+    )
+    .await;
+    // One lease per group: the dying worker's share is dropped, not generated again.
+    let response = workers.generate(request(1, 4)).await.unwrap();
+    assert_eq!(response.metrics["groups_dropped"], 2.0);
+    let empty: Vec<usize> = (0..4).filter(|&i| response.groups[i].is_empty()).collect();
+    assert_eq!(empty, vec![0, 2]);
+
+    let workers = pool(
+        &[Behaviour::DiesOnRequest],
+        PoolSettings {
+            join_timeout: Duration::from_millis(200),
+            ..PoolSettings::default()
+        },
+        &dir.path().join("second.jsonl"),
+    )
+    .await;
+    let err = workers.generate(request(1, 2)).await.unwrap_err();
+    assert!(err.to_string().contains("none joined"), "{err}");
+}
+
+#[tokio::test]
+async fn a_worker_that_connects_after_the_run_is_told_it_is_over() {
+    let dir = tempfile::tempdir().unwrap();
+    let workers = pool(
+        &[],
+        PoolSettings::default(),
+        &dir.path().join("ledger.jsonl"),
+    )
+    .await;
+    let (links, joined) = tokio::sync::mpsc::channel(1);
+    workers.admit_late_workers(joined, "config".into());
+    workers.shutdown("the run finished").await;
+
+    let key = ClusterKey::from_secret(ClusterKey::random_secret().as_bytes()).unwrap();
+    let listener = rollout_net::link::listen("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    let limits = LinkLimits::default();
+    let latecomer = tokio::spawn({
+        let (key, limits) = (key.clone(), limits.clone());
+        async move {
+            let link = Link::connect(&address, &key, &hello("worker", "late"), &limits)
+                .await
+                .unwrap();
+            let mut server = link.server();
+            server.requests.recv().await.unwrap().frame.kind
+        }
+    });
+    let (stream, _) = listener.accept().await.unwrap();
+    let link = Link::accept(stream, &key, &hello("controller", "controller"), &limits)
+        .await
+        .unwrap();
+    links.send(link).await.unwrap();
+    let first = tokio::time::timeout(Duration::from_secs(10), latecomer)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        first,
+        MessageKind::Shutdown,
+        "no Welcome once the run is over"
+    );
+}
+
+fn weights(version: u64) -> WeightsReport {
+    WeightsReport {
+        version,
+        checksum: format!("checksum-{version}"),
+        bytes: 8,
+        source: "127.0.0.1:1".into(),
+        holder: "trainer-0".into(),
+    }
+}
+
+/// A late worker whose first pull fails because the trainer moved on to a newer version
+/// meanwhile (the trainer keeps one version): it pulls the newer one and joins.
+#[tokio::test]
+async fn a_late_worker_whose_version_is_replaced_mid_pull_pulls_the_newer_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let workers = pool(
+        &[],
+        PoolSettings::default(),
+        &dir.path().join("ledger.jsonl"),
+    )
+    .await;
+    workers.load_weights(weights(1)).await.unwrap();
+    let (links, joined) = tokio::sync::mpsc::channel(1);
+    workers.admit_late_workers(joined, "config".into());
+
+    let key = ClusterKey::from_secret(ClusterKey::random_secret().as_bytes()).unwrap();
+    let listener = rollout_net::link::listen("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    let limits = LinkLimits::default();
+    let (pulling, mut first_pull) = tokio::sync::mpsc::channel(1);
+    let (replaced, go_on) = tokio::sync::oneshot::channel::<()>();
+    let latecomer = tokio::spawn({
+        let (key, limits) = (key.clone(), limits.clone());
+        async move {
+            let link = Link::connect(&address, &key, &hello("worker", "late"), &limits)
+                .await
+                .unwrap();
+            let mut server = link.server();
+            let mut go_on = Some(go_on);
+            let mut pulled = Vec::new();
+            while let Some(incoming) = server.requests.recv().await {
+                let (call, responder) = (incoming.call, &server.responder);
+                match incoming.frame.kind {
+                    MessageKind::Welcome => responder.reply(call, &Done {}, Bytes::new(), false),
+                    MessageKind::SyncWeights => {
+                        let request: SyncWeights = incoming.decode().unwrap();
+                        pulled.push(request.weights.version);
+                        if let Some(go_on) = go_on.take() {
+                            pulling.send(()).await.unwrap();
+                            go_on.await.unwrap();
+                            responder.fail(call, "version 1 was replaced by 2 before it was pulled")
+                        } else {
+                            responder.reply(call, &request.weights, Bytes::new(), false)
+                        }
+                    }
+                    MessageKind::GenerateRequest => {
+                        let request: GenerateRequest = incoming.decode().unwrap();
+                        let groups = request.prompts.iter().map(|p| vec![seed_completion(p); 2]);
+                        let response = GenerateResponse {
+                            groups: groups.collect(),
+                            metrics: Default::default(),
+                        };
+                        responder
+                            .reply(call, &response, Bytes::new(), false)
+                            .unwrap();
+                        return pulled;
+                    }
+                    other => panic!("unexpected {other:?}"),
+                }
+                .unwrap();
+            }
+            pulled
+        }
+    });
+    let (stream, _) = listener.accept().await.unwrap();
+    let link = Link::accept(stream, &key, &hello("controller", "controller"), &limits)
+        .await
+        .unwrap();
+    links.send(link).await.unwrap();
+    first_pull.recv().await.unwrap();
+    workers.load_weights(weights(2)).await.unwrap();
+    replaced.send(()).unwrap();
+
+    let response = tokio::time::timeout(Duration::from_secs(10), workers.generate(request(1, 2)))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_every_prompt_answered(&response, 2);
+    let pulled = latecomer.await.unwrap();
+    assert_eq!(
+        pulled,
+        vec![1, 2],
+        "the newer version is pulled after the failed one"
+    );
+}

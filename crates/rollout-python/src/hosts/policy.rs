@@ -1,0 +1,306 @@
+//! A policy plugin as the generator, learner and tokenizer of a run.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use rollout_core::cluster::weights::VersionBuffer;
+use rollout_core::config::{ClusterConfig, KeyPath, LoadedConfig, PluginConfig};
+use rollout_core::roles::{Generator, Learner, RoleError, RoleFuture, SaveWritten, Tokenizer};
+use rollout_core::train::write_files;
+use rollout_net::TensorBytes;
+use rollout_net::messages::{
+    GenerateRequest, GenerateResponse, TrainRequest, TrainResponse, ValuesRequest, ValuesResponse,
+    WeightsReport,
+};
+use tracing::Instrument;
+
+use super::{boxed, seed_once, traced};
+use crate::HostError;
+use crate::interpreter::PythonWorker;
+use crate::paged_generator::PagedGenerator;
+use crate::plugins::{PluginError, PolicyPlugin};
+
+/// The policy plugin of a run, its sampling engine and the version of its weights.
+pub struct PolicyHost {
+    worker: Arc<PythonWorker>,
+    policy: Arc<PolicyPlugin>,
+    /// The sampling engine, when the policy can run in it and it is enabled.
+    engine: Option<PagedGenerator>,
+    eos_token_ids: Vec<u32>,
+    weight_version: Arc<AtomicU64>,
+}
+
+impl PolicyHost {
+    /// Imports and instantiates the config's policy.
+    pub async fn load(worker: Arc<PythonWorker>, loaded: &LoadedConfig) -> Result<Self, HostError> {
+        let policy = loaded.config.policy.clone();
+        Self::load_policy(worker, loaded, KeyPath::default().key("policy"), policy).await
+    }
+
+    /// Imports and instantiates `policy`, configured at `key` (an agent's, or `[policy]`).
+    pub async fn load_policy(
+        worker: Arc<PythonWorker>,
+        loaded: &LoadedConfig,
+        key: KeyPath,
+        policy: PluginConfig,
+    ) -> Result<Self, HostError> {
+        let loaded_config = loaded.clone();
+        let policy = worker
+            .run(move |py| -> Result<_, HostError> {
+                seed_once(py, loaded_config.config.run.seed)?;
+                Ok(PolicyPlugin::load(py, &loaded_config, &key, &policy)?)
+            })
+            .await??;
+        let policy = Arc::new(policy);
+        let eos_source = policy.clone();
+        let eos_token_ids = worker
+            .run(move |py| eos_source.eos_token_ids(py))
+            .await?
+            .map_err(RoleError::from)?;
+        let engine = if loaded.config.engine.enabled {
+            PagedGenerator::start(&worker, policy.clone(), &loaded.config.engine).await?
+        } else {
+            None
+        };
+        Ok(PolicyHost {
+            worker,
+            policy,
+            engine,
+            eos_token_ids,
+            weight_version: Arc::new(AtomicU64::new(0)),
+        })
+    }
+
+    /// Whether generation runs in the sampling engine (else in the policy's `generate`).
+    pub fn uses_engine(&self) -> bool {
+        self.engine.is_some()
+    }
+
+    pub async fn describe(&self) -> Result<serde_json::Value, RoleError> {
+        let policy = self.policy.clone();
+        Ok(self.worker.run(move |py| policy.describe(py)).await??)
+    }
+
+    pub fn spec(&self) -> &str {
+        self.policy.spec()
+    }
+
+    pub fn weight_version(&self) -> u64 {
+        self.weight_version.load(Ordering::SeqCst)
+    }
+
+    /// Has `train` all-reduce gradients over the trainers' process group (see
+    /// `rollout_sdk.distributed`) before each update.
+    pub async fn join_data_parallel(
+        &self,
+        rank: u32,
+        world_size: u32,
+        cluster: ClusterConfig,
+    ) -> Result<(), RoleError> {
+        let policy = self.policy.clone();
+        Ok(self
+            .worker
+            .run(move |py| policy.join_data_parallel(py, rank, world_size, &cluster))
+            .await??)
+    }
+
+    /// Leaves the trainers' process group (a no-op for a rank that never joined one).
+    pub async fn leave_data_parallel(&self) -> Result<(), RoleError> {
+        let policy = self.policy.clone();
+        Ok(self
+            .worker
+            .run(move |py| policy.leave_data_parallel(py))
+            .await??)
+    }
+
+    /// The current weights, tensor by tensor, and the version they are.
+    pub async fn export_weights(&self) -> Result<(u64, Vec<TensorBytes>), RoleError> {
+        let policy = self.policy.clone();
+        let version = self.weight_version();
+        let tensors = self
+            .worker
+            .run(move |py| policy.export_weights(py))
+            .instrument(tracing::info_span!("weights.export", version))
+            .await??;
+        Ok((version, tensors))
+    }
+
+    /// Replaces the weights with `tensors` as `version`. Runs as one job on the interpreter
+    /// thread, so it falls between two engine steps, never inside one.
+    pub async fn import_weights(
+        &self,
+        version: u64,
+        tensors: Arc<Vec<TensorBytes>>,
+    ) -> Result<(), RoleError> {
+        let policy = self.policy.clone();
+        let weight_version = self.weight_version.clone();
+        self.worker
+            .run(move |py| {
+                policy.import_weights(py, &tensors)?;
+                weight_version.store(version, Ordering::SeqCst);
+                Ok::<_, PluginError>(())
+            })
+            .instrument(tracing::info_span!("weights.import", version))
+            .await??;
+        Ok(())
+    }
+}
+
+impl Generator for PolicyHost {
+    fn generate(&self, request: GenerateRequest) -> RoleFuture<'_, GenerateResponse> {
+        let policy = self.policy.clone();
+        let version = self.weight_version.load(Ordering::SeqCst);
+        let prompts = request.prompts.len();
+        let span = move || tracing::info_span!("policy.generate", prompts, version);
+        traced(span, async move {
+            if let Some(engine) = &self.engine {
+                return engine
+                    .generate(&self.worker, &policy, request, &self.eos_token_ids, version)
+                    .await;
+            }
+            let sampling = &request.sampling;
+            if !sampling.stop_strings.is_empty() || sampling.ignore_eos {
+                return Err(RoleError::Protocol(format!(
+                    "`rollout.stop_strings` and `rollout.ignore_eos` need the sampling engine, \
+                     which the policy `{}` cannot run in (or `[engine] enabled = false`)",
+                    policy.spec()
+                )));
+            }
+            Ok(self
+                .worker
+                .run(move |py| policy.generate(py, &request, version))
+                .await??)
+        })
+    }
+
+    /// In one process generation and training share the model: nothing to load.
+    fn load_weights(&self, weights: WeightsReport) -> RoleFuture<'_, Vec<WeightsReport>> {
+        boxed(async move { Ok(vec![weights]) })
+    }
+}
+
+impl Learner for PolicyHost {
+    fn train(&self, request: TrainRequest) -> RoleFuture<'_, TrainResponse> {
+        let policy = self.policy.clone();
+        traced(|| tracing::info_span!("policy.train"), async move {
+            let metrics = self
+                .worker
+                .run(move |py| policy.train(py, &request))
+                .await??;
+            let weight_version = self.weight_version.fetch_add(1, Ordering::SeqCst) + 1;
+            Ok(TrainResponse {
+                metrics,
+                weight_version,
+            })
+        })
+    }
+
+    fn values(&self, request: ValuesRequest) -> RoleFuture<'_, ValuesResponse> {
+        let policy = self.policy.clone();
+        traced(|| tracing::info_span!("policy.values"), async move {
+            let values = self
+                .worker
+                .run(move |py| policy.values(py, &request))
+                .await??;
+            Ok(ValuesResponse { values })
+        })
+    }
+
+    fn save(&self, directory: PathBuf) -> RoleFuture<'_, ()> {
+        let policy = self.policy.clone();
+        traced(|| tracing::info_span!("policy.save"), async move {
+            Ok(self
+                .worker
+                .run(move |py| policy.save(py, &directory))
+                .await??)
+        })
+    }
+
+    /// Takes the policy's snapshot on the interpreter and writes it on a blocking thread;
+    /// a policy without `snapshot` saves in the foreground.
+    fn save_in_background(&self, directory: PathBuf) -> RoleFuture<'_, SaveWritten> {
+        let policy = self.policy.clone();
+        traced(|| tracing::info_span!("policy.snapshot"), async move {
+            let Some(files) = self.worker.run(move |py| policy.snapshot(py)).await?? else {
+                self.save(directory).await?;
+                return Ok(Box::pin(async { Ok(()) }) as SaveWritten);
+            };
+            let write = tokio::task::spawn_blocking(move || write_files(&directory, &files));
+            Ok(Box::pin(async move {
+                match write.await {
+                    Ok(written) => written.map_err(|err| RoleError::Runtime(err.to_string())),
+                    Err(err) => Err(RoleError::Runtime(format!(
+                        "the checkpoint writer stopped: {err}"
+                    ))),
+                }
+            }) as SaveWritten)
+        })
+    }
+
+    fn restore(&self, directory: PathBuf, weight_version: u64) -> RoleFuture<'_, ()> {
+        let policy = self.policy.clone();
+        traced(|| tracing::info_span!("policy.restore"), async move {
+            self.worker
+                .run(move |py| policy.load_state(py, &directory))
+                .await??;
+            self.weight_version.store(weight_version, Ordering::SeqCst);
+            Ok(())
+        })
+    }
+
+    /// Reports the version and checksum of the weights this process holds; nothing is
+    /// copied for an in-process generator.
+    fn publish_weights(&self, bucket_bytes: u64) -> RoleFuture<'_, WeightsReport> {
+        traced(|| tracing::info_span!("policy.publish"), async move {
+            let (version, tensors) = self.export_weights().await?;
+            let buffer = VersionBuffer::from_tensors(version, &tensors, bucket_bytes)
+                .map_err(|err| RoleError::Protocol(err.to_string()))?;
+            Ok(WeightsReport {
+                version,
+                checksum: buffer.checksum(),
+                bytes: buffer.bytes(),
+                source: String::new(),
+                holder: "local".into(),
+            })
+        })
+    }
+
+    fn needs_weight_sync(&self) -> bool {
+        false
+    }
+}
+
+impl Tokenizer for PolicyHost {
+    fn encode(&self, texts: Vec<String>, continuation: bool) -> RoleFuture<'_, Vec<Vec<u32>>> {
+        let policy = self.policy.clone();
+        let count = texts.len();
+        let span = move || tracing::info_span!("tokenizer.encode", texts = count);
+        traced(span, async move {
+            Ok(self
+                .worker
+                .run(move |py| policy.encode(py, &texts, continuation))
+                .await??)
+        })
+    }
+
+    fn decode(&self, sequences: Vec<Vec<u32>>) -> RoleFuture<'_, Vec<String>> {
+        let policy = self.policy.clone();
+        let count = sequences.len();
+        let span = move || tracing::info_span!("tokenizer.decode", sequences = count);
+        traced(span, async move {
+            Ok(self
+                .worker
+                .run(move |py| {
+                    let slices: Vec<&[u32]> = sequences.iter().map(Vec::as_slice).collect();
+                    policy.decode(py, &slices)
+                })
+                .await??)
+        })
+    }
+
+    fn eos_token_ids(&self) -> RoleFuture<'_, Vec<u32>> {
+        let ids = self.eos_token_ids.clone();
+        boxed(async move { Ok(ids) })
+    }
+}

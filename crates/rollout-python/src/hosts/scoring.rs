@@ -1,0 +1,68 @@
+//! Where a run's rewards are scored: on the embedded interpreter (`[sandbox] processes = 0`,
+//! where a reward that raises ends the run), or in the sandbox pool of worker processes,
+//! where it costs only the sample.
+
+use std::sync::Arc;
+
+use rollout_net::messages::{ScoreRequest, ScoreResponse};
+
+use crate::HostError;
+use crate::interpreter::PythonWorker;
+use crate::plugins::{RewardSet, pool_spec, sandbox_launch, sandbox_load_error};
+use rollout_core::config::{Config, LoadedConfig};
+use rollout_core::roles::RoleError;
+use rollout_core::sandbox::{FailureLedger, SandboxPool};
+
+pub enum Scoring {
+    InProcess(Arc<RewardSet>),
+    Sandboxed(Box<SandboxPool>),
+}
+
+impl Scoring {
+    /// Whether the config scores its rewards in the sandbox pool.
+    pub fn sandboxed(config: &Config) -> bool {
+        config.sandbox.processes > 0 && !config.rewards.is_empty()
+    }
+
+    /// `in_process` is the loaded reward set, or `None` to start the sandbox pool (adding
+    /// its failures to the run's `ledger`).
+    pub async fn new(
+        worker: &PythonWorker,
+        loaded: &LoadedConfig,
+        in_process: Option<RewardSet>,
+        ledger: Arc<FailureLedger>,
+    ) -> Result<Self, HostError> {
+        if let Some(rewards) = in_process {
+            return Ok(Scoring::InProcess(Arc::new(rewards)));
+        }
+        let launch = worker.run(sandbox_launch).await??;
+        match SandboxPool::start(pool_spec(loaded, launch, ledger)).await {
+            Ok(pool) => Ok(Scoring::Sandboxed(Box::new(pool))),
+            Err(err) => Err(match sandbox_load_error(loaded, err) {
+                Ok(load) => HostError::Load(load),
+                Err(other) => HostError::Role(other.into()),
+            }),
+        }
+    }
+
+    pub fn names(&self) -> Vec<String> {
+        match self {
+            Scoring::InProcess(rewards) => rewards.names().map(str::to_owned).collect(),
+            Scoring::Sandboxed(pool) => pool.names().to_vec(),
+        }
+    }
+
+    pub async fn score(
+        &self,
+        worker: &PythonWorker,
+        request: ScoreRequest,
+    ) -> Result<ScoreResponse, RoleError> {
+        match self {
+            Scoring::InProcess(rewards) => {
+                let rewards = rewards.clone();
+                Ok(worker.run(move |py| rewards.score(py, &request)).await??)
+            }
+            Scoring::Sandboxed(pool) => Ok(pool.score(&request).await?),
+        }
+    }
+}

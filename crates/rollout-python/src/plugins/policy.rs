@@ -1,0 +1,334 @@
+//! The policy (model) plugin.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+use rollout_net::messages::{Completion, FinishReason, GenerateRequest, GenerateResponse};
+
+use super::{PluginError, PluginLoadError, PluginRef};
+use crate::contract::{
+    self, EngineStep, EngineStepOutput, Generation, GenerationRequest, KvLayout, SamplingParams,
+    py_to_json, to_python,
+};
+use rollout_core::config::{KeyPath, LoadedConfig, PluginConfig};
+use rollout_core::scheduler::{StepOutput, StepPlan};
+use rollout_core::train::SnapshotFiles;
+
+pub struct PolicyPlugin {
+    pub(super) plugin: PluginRef,
+    /// The `rollout_sdk.distributed.GradientReducer` of the data-parallel group this
+    /// trainer rank joined, if any.
+    pub(super) data_parallel: std::sync::OnceLock<Py<PyAny>>,
+}
+
+impl PolicyPlugin {
+    /// Loads `policy`, configured at `key` of `loaded` (`[policy]`, or an agent's).
+    pub fn load(
+        py: Python<'_>,
+        loaded: &LoadedConfig,
+        key: &KeyPath,
+        policy: &PluginConfig,
+    ) -> Result<Self, PluginLoadError> {
+        let plugin = PluginRef::load(py, loaded, key, &policy.plugin, &policy.options, "Policy")?;
+        Ok(PolicyPlugin {
+            plugin,
+            data_parallel: std::sync::OnceLock::new(),
+        })
+    }
+
+    pub fn spec(&self) -> &str {
+        &self.plugin.spec
+    }
+
+    /// Tokenises prompts, or with `continuation` text appended to an existing context.
+    pub fn encode(
+        &self,
+        py: Python<'_>,
+        texts: &[String],
+        continuation: bool,
+    ) -> Result<Vec<Vec<u32>>, PluginError> {
+        let hook = "encode";
+        let kwargs = PyDict::new(py);
+        kwargs
+            .set_item("continuation", continuation)
+            .map_err(|err| self.plugin.raised(py, hook, &err))?;
+        let result = self
+            .plugin
+            .object
+            .bind(py)
+            .call_method(hook, (texts.to_vec(),), Some(&kwargs))
+            .map_err(|err| self.plugin.raised(py, hook, &err))?;
+        let ids: Vec<Vec<i64>> = result.extract().map_err(|_| {
+            self.plugin
+                .bad_return(hook, "must return a list of lists of int")
+        })?;
+        if ids.len() != texts.len() {
+            return Err(self.plugin.bad_return(
+                hook,
+                format!("returned {} sequences for {} texts", ids.len(), texts.len()),
+            ));
+        }
+        ids.into_iter()
+            .map(|seq| self.token_ids(hook, seq.into_iter()))
+            .collect()
+    }
+
+    pub fn decode(&self, py: Python<'_>, sequences: &[&[u32]]) -> Result<Vec<String>, PluginError> {
+        let hook = "decode";
+        let lists: Vec<Vec<u32>> = sequences.iter().map(|s| s.to_vec()).collect();
+        let texts: Vec<String> = self
+            .plugin
+            .call(py, hook, (lists,))?
+            .extract()
+            .map_err(|_| self.plugin.bad_return(hook, "must return a list of str"))?;
+        if texts.len() != sequences.len() {
+            return Err(self.plugin.bad_return(
+                hook,
+                format!(
+                    "returned {} texts for {} sequences",
+                    texts.len(),
+                    sequences.len()
+                ),
+            ));
+        }
+        Ok(texts)
+    }
+
+    pub fn eos_token_ids(&self, py: Python<'_>) -> Result<Vec<u32>, PluginError> {
+        let hook = "eos_token_ids";
+        let ids: Vec<i64> = self
+            .plugin
+            .call(py, hook, ())?
+            .extract()
+            .map_err(|_| self.plugin.bad_return(hook, "must return a list of int"))?;
+        self.token_ids(hook, ids.into_iter())
+    }
+
+    pub fn describe(&self, py: Python<'_>) -> Result<serde_json::Value, PluginError> {
+        let hook = "describe";
+        let result = self.plugin.call(py, hook, ())?;
+        let dict = PyDict::new(py);
+        dict.update(
+            result
+                .cast::<pyo3::types::PyMapping>()
+                .map_err(|_| self.plugin.bad_return(hook, "must return a mapping"))?,
+        )
+        .map_err(|err| self.plugin.raised(py, hook, &err))?;
+        py_to_json(py, dict.as_any()).map_err(|err| self.plugin.raised(py, hook, &err))
+    }
+
+    /// Samples every prompt's completions and tags them with `weight_version`.
+    pub fn generate(
+        &self,
+        py: Python<'_>,
+        request: &GenerateRequest,
+        weight_version: u64,
+    ) -> Result<GenerateResponse, PluginError> {
+        let hook = "generate";
+        let sampling = &request.sampling;
+        let (requests, params) = self
+            .generation_args(py, request)
+            .map_err(|err| self.plugin.raised(py, hook, &err))?;
+        let result = self.plugin.call(py, hook, (requests, params))?;
+        let groups = result.cast::<PyList>().map_err(|_| {
+            self.plugin
+                .bad_return(hook, "must return a list (one per request)")
+        })?;
+        if groups.len() != request.prompts.len() {
+            return Err(self.plugin.bad_return(
+                hook,
+                format!(
+                    "returned {} groups for {} requests",
+                    groups.len(),
+                    request.prompts.len()
+                ),
+            ));
+        }
+        let mut out = Vec::with_capacity(groups.len());
+        for (group, prompt) in groups.iter().zip(&request.prompts) {
+            let group = group.cast::<PyList>().map_err(|_| {
+                self.plugin
+                    .bad_return(hook, "each group must be a list of Generation")
+            })?;
+            if group.len() != prompt.n as usize {
+                return Err(self.plugin.bad_return(
+                    hook,
+                    format!(
+                        "returned {} completions for a request with n={}",
+                        group.len(),
+                        prompt.n
+                    ),
+                ));
+            }
+            let completions = group
+                .iter()
+                .enumerate()
+                .map(|(sample, generation)| {
+                    let mut completion =
+                        self.completion(&generation, request.longest_budget(), weight_version)?;
+                    let budget = prompt
+                        .max_new_tokens
+                        .get(sample)
+                        .copied()
+                        .unwrap_or(sampling.max_new_tokens)
+                        as usize;
+                    if completion.token_ids.len() > budget {
+                        completion.token_ids.truncate(budget);
+                        completion.logprobs.truncate(budget);
+                        completion.finish_reason = FinishReason::Length;
+                    }
+                    Ok(completion)
+                })
+                .collect::<Result<Vec<_>, PluginError>>()?;
+            out.push(completions);
+        }
+        Ok(GenerateResponse {
+            groups: out,
+            metrics: Default::default(),
+        })
+    }
+
+    fn generation_args<'py>(
+        &self,
+        py: Python<'py>,
+        request: &GenerateRequest,
+    ) -> PyResult<(Bound<'py, PyList>, Bound<'py, PyAny>)> {
+        let params = to_python(py, SamplingParams::of(request))?;
+        let requests = PyList::empty(py);
+        for prompt in &request.prompts {
+            requests.append(to_python(py, GenerationRequest::from(prompt))?)?;
+        }
+        Ok((requests, params))
+    }
+
+    fn completion(
+        &self,
+        generation: &Bound<'_, PyAny>,
+        max_new_tokens: u32,
+        weight_version: u64,
+    ) -> Result<Completion, PluginError> {
+        let hook = "generate";
+        let bad = |reason: &str| self.plugin.bad_return(hook, reason.to_owned());
+        let generation: Generation =
+            contract::from_python(generation).map_err(|reason| bad(&reason))?;
+        let token_ids = self.token_ids(hook, generation.token_ids.data.into_iter())?;
+        let logprobs = generation.logprobs.data;
+        if token_ids.len() != logprobs.len() {
+            return Err(bad("Generation.token_ids and logprobs differ in length"));
+        }
+        if token_ids.is_empty() || token_ids.len() > max_new_tokens as usize {
+            return Err(self.plugin.bad_return(
+                hook,
+                format!(
+                    "a completion has {} tokens, outside 1..={max_new_tokens}",
+                    token_ids.len()
+                ),
+            ));
+        }
+        if logprobs.iter().any(|l| !l.is_finite()) {
+            return Err(bad("a generated token's logprob is NaN or infinite"));
+        }
+        let finish_reason = match generation.finish_reason.as_str() {
+            "stop" => FinishReason::Stop,
+            "length" => FinishReason::Length,
+            _ => {
+                return Err(bad(
+                    "Generation.finish_reason must be \"stop\" or \"length\"",
+                ));
+            }
+        };
+        Ok(Completion {
+            token_ids,
+            logprobs,
+            finish_reason,
+            weight_version,
+        })
+    }
+
+    pub(super) fn float_metrics(
+        &self,
+        hook: &'static str,
+        value: &Bound<'_, PyAny>,
+    ) -> Result<BTreeMap<String, f64>, PluginError> {
+        value.extract::<BTreeMap<String, f64>>().map_err(|_| {
+            self.plugin
+                .bad_return(hook, "must return a mapping of str to float")
+        })
+    }
+
+    /// The policy's KV-cache geometry, or `None` when it cannot run in the sampling engine
+    /// (its `kv_layout` raises `NotImplementedError`).
+    pub fn kv_layout(&self, py: Python<'_>) -> Result<Option<KvLayout>, PluginError> {
+        let hook = "kv_layout";
+        let layout = match self.plugin.object.bind(py).call_method0(hook) {
+            Ok(layout) => layout,
+            Err(err) if err.is_instance_of::<pyo3::exceptions::PyNotImplementedError>(py) => {
+                return Ok(None);
+            }
+            Err(err) => return Err(self.plugin.raised(py, hook, &err)),
+        };
+        contract::from_python(&layout)
+            .map(Some)
+            .map_err(|reason| self.plugin.bad_return(hook, reason))
+    }
+
+    pub fn allocate_kv(&self, py: Python<'_>, num_slots: usize) -> Result<(), PluginError> {
+        self.plugin.call(py, "allocate_kv", (num_slots,)).map(drop)
+    }
+
+    /// Runs one engine step. The plan's arrays move into NumPy (no copy); its bookkeeping
+    /// stays for `Scheduler::apply`. Returns the output and the seconds inside forwards.
+    pub fn engine_step(
+        &self,
+        py: Python<'_>,
+        plan: &mut StepPlan,
+    ) -> Result<(StepOutput, f64), PluginError> {
+        let hook = "engine_step";
+        let step = to_python(py, EngineStep::take(plan))
+            .map_err(|err| self.plugin.raised(py, hook, &err))?;
+        let output = self.plugin.call(py, hook, (step,))?;
+        let output: EngineStepOutput = contract::from_python(&output)
+            .map_err(|reason| self.plugin.bad_return(hook, reason))?;
+        let forward_seconds = output.forward_seconds;
+        Ok((output.into(), forward_seconds))
+    }
+
+    pub fn save(&self, py: Python<'_>, directory: &Path) -> Result<(), PluginError> {
+        self.plugin.call(py, "save", (directory,)).map(drop)
+    }
+
+    /// The files `save` would write, copied now, or `None` when the policy cannot
+    /// snapshot (its `snapshot` raises `NotImplementedError`).
+    pub fn snapshot(&self, py: Python<'_>) -> Result<Option<SnapshotFiles>, PluginError> {
+        let hook = "snapshot";
+        match self.plugin.object.bind(py).call_method0(hook) {
+            Ok(files) => super::snapshot::copy_files(&files)
+                .map(Some)
+                .map_err(|reason| self.plugin.bad_return(hook, reason)),
+            Err(err) if err.is_instance_of::<pyo3::exceptions::PyNotImplementedError>(py) => {
+                Ok(None)
+            }
+            Err(err) => Err(self.plugin.raised(py, hook, &err)),
+        }
+    }
+
+    pub fn load_state(&self, py: Python<'_>, directory: &Path) -> Result<(), PluginError> {
+        self.plugin.call(py, "load", (directory,)).map(drop)
+    }
+
+    fn token_ids(
+        &self,
+        hook: &'static str,
+        ids: impl Iterator<Item = i64>,
+    ) -> Result<Vec<u32>, PluginError> {
+        ids.map(|id| {
+            u32::try_from(id).map_err(|_| {
+                self.plugin
+                    .bad_return(hook, format!("token id {id} is out of range"))
+            })
+        })
+        .collect()
+    }
+}

@@ -1,0 +1,175 @@
+//! The policy plugin's weights as bytes (export for weight sync, import on generation
+//! workers) and its data-parallel group (gradients all-reduced across trainer ranks).
+
+use std::collections::BTreeMap;
+
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use rollout_net::{Dtype, TensorBytes};
+
+use super::PluginError;
+use super::policy::PolicyPlugin;
+use rollout_core::config::ClusterConfig;
+
+impl PolicyPlugin {
+    /// Joins the trainers' torch.distributed process group (`env://` rendezvous:
+    /// `MASTER_ADDR`/`MASTER_PORT`) on `cluster.backend`; from then on every update
+    /// all-reduces the gradients, compressed as `cluster` says.
+    pub fn join_data_parallel(
+        &self,
+        py: Python<'_>,
+        rank: u32,
+        world_size: u32,
+        cluster: &ClusterConfig,
+    ) -> Result<(), PluginError> {
+        let hook = "trainable_parameters";
+        let parameters = self.plugin.call(py, hook, ())?;
+        let reducer = py
+            .import("rollout_sdk.distributed")
+            .and_then(|d| {
+                d.call_method1(
+                    "init_process_group",
+                    (cluster.backend.as_str(), rank, world_size, parameters),
+                )?;
+                d.call_method1(
+                    "GradientReducer",
+                    (
+                        cluster.gradient_compression.as_str(),
+                        cluster.powersgd_rank,
+                        cluster.powersgd_warmup_updates,
+                    ),
+                )
+            })
+            .map_err(|err| self.plugin.raised(py, hook, &err))?;
+        let _ = self.data_parallel.set(reducer.unbind());
+        Ok(())
+    }
+
+    /// Leaves the process group once every rank is here, so no collective is cut short.
+    pub fn leave_data_parallel(&self, py: Python<'_>) -> Result<(), PluginError> {
+        if self.data_parallel.get().is_none() {
+            return Ok(());
+        }
+        py.import("rollout_sdk.distributed")
+            .and_then(|d| d.call_method0("leave_process_group"))
+            .map_err(|err| self.plugin.raised(py, "leave_process_group", &err))?;
+        Ok(())
+    }
+
+    pub(super) fn all_reduce_gradients(
+        &self,
+        py: Python<'_>,
+        reducer: &Py<PyAny>,
+    ) -> Result<BTreeMap<String, f64>, PluginError> {
+        let hook = "trainable_parameters";
+        let parameters = self.plugin.call(py, hook, ())?;
+        let metrics = reducer
+            .bind(py)
+            .call_method1("reduce", (parameters,))
+            .map_err(|err| self.plugin.raised(py, hook, &err))?;
+        self.float_metrics(hook, &metrics)
+    }
+
+    /// The current weights as raw little-endian bytes, in the order `export_weights` lists.
+    pub fn export_weights(&self, py: Python<'_>) -> Result<Vec<TensorBytes>, PluginError> {
+        let hook = "export_weights";
+        let weights = self.plugin.call(py, hook, ())?;
+        let weights = weights.cast::<PyDict>().map_err(|_| {
+            self.plugin
+                .bad_return(hook, "must return a dict of numpy arrays")
+        })?;
+        let numpy = py
+            .import("numpy")
+            .map_err(|err| self.plugin.raised(py, hook, &err))?;
+        let mut tensors = Vec::with_capacity(weights.len());
+        for (name, array) in weights.iter() {
+            let name: String = name
+                .extract()
+                .map_err(|_| self.plugin.bad_return(hook, "names must be str"))?;
+            let tensor = (|| -> PyResult<Option<TensorBytes>> {
+                let array = numpy.call_method1("ascontiguousarray", (array,))?;
+                let code: String = array.getattr("dtype")?.getattr("str")?.extract()?;
+                let Some(dtype) = dtype_of_numpy(&code) else {
+                    return Ok(None);
+                };
+                let shape: Vec<u64> = array.getattr("shape")?.extract()?;
+                let data = array.call_method0("tobytes")?;
+                let data = data.cast::<pyo3::types::PyBytes>()?.as_bytes().to_vec();
+                Ok(TensorBytes::new(name.clone(), dtype, shape, data).ok())
+            })()
+            .map_err(|err| self.plugin.raised(py, hook, &err))?
+            .ok_or_else(|| {
+                self.plugin.bad_return(
+                    hook,
+                    format!("`{name}` has a dtype that cannot be sent (use float32, float16, integer or bool)"),
+                )
+            })?;
+            tensors.push(tensor);
+        }
+        Ok(tensors)
+    }
+
+    /// Replaces the weights with `tensors` (checked against the model by `import_weights`).
+    pub fn import_weights(
+        &self,
+        py: Python<'_>,
+        tensors: &[TensorBytes],
+    ) -> Result<(), PluginError> {
+        let hook = "import_weights";
+        let weights = (|| -> PyResult<Bound<'_, PyDict>> {
+            let numpy = py.import("numpy")?;
+            let weights = PyDict::new(py);
+            for tensor in tensors {
+                let bytes = pyo3::types::PyByteArray::new(py, &tensor.data);
+                let kwargs = PyDict::new(py);
+                kwargs.set_item("dtype", numpy_code(tensor.dtype))?;
+                let array = numpy
+                    .call_method("frombuffer", (bytes,), Some(&kwargs))?
+                    .call_method1("reshape", (tensor.shape.clone(),))?;
+                weights.set_item(&tensor.name, array)?;
+            }
+            Ok(weights)
+        })()
+        .map_err(|err| self.plugin.raised(py, hook, &err))?;
+        self.plugin.call(py, hook, (weights,)).map(drop)
+    }
+}
+
+/// The most tokens any sample of `request` may generate (per-sample budgets of the plugin's
+/// `generate` are applied by truncating to this common maximum).
+/// The wire dtype of a numpy dtype string (`dtype.str`), little-endian only.
+fn dtype_of_numpy(code: &str) -> Option<Dtype> {
+    Some(match code {
+        "<f4" => Dtype::F32,
+        "<f2" => Dtype::F16,
+        "<f8" => Dtype::F64,
+        "<i8" => Dtype::I64,
+        "<i4" => Dtype::I32,
+        "<i2" => Dtype::I16,
+        "|i1" => Dtype::I8,
+        "<u8" => Dtype::U64,
+        "<u4" => Dtype::U32,
+        "<u2" => Dtype::U16,
+        "|u1" => Dtype::U8,
+        "|b1" => Dtype::Bool,
+        _ => return None,
+    })
+}
+
+/// The numpy dtype string of a wire dtype (bfloat16 travels as raw 16-bit words).
+fn numpy_code(dtype: Dtype) -> &'static str {
+    match dtype {
+        Dtype::F32 => "<f4",
+        Dtype::F16 => "<f2",
+        Dtype::F64 => "<f8",
+        Dtype::I64 => "<i8",
+        Dtype::I32 => "<i4",
+        Dtype::I16 => "<i2",
+        Dtype::I8 => "|i1",
+        Dtype::U64 => "<u8",
+        Dtype::U32 => "<u4",
+        Dtype::U16 | Dtype::BF16 => "<u2",
+        Dtype::U8 | Dtype::F8E4M3 | Dtype::F8E5M2 => "|u1",
+        Dtype::Bool => "|b1",
+    }
+}

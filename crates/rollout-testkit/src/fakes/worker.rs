@@ -1,0 +1,159 @@
+//! A generation worker without a model that answers over a real authenticated link, for
+//! tests of the generation pool and the controller capacity benchmark.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use rollout_net::ClusterKey;
+use rollout_net::link::{Link, LinkLimits};
+use rollout_net::messages::{
+    Completion, FinishReason, GenerateRequest, GenerateResponse, Hello, MessageKind, PromptRequest,
+    SyncWeights,
+};
+use rollout_net::rpc::RpcClient;
+use tokio::net::TcpListener;
+
+/// How a fake worker behaves once a generation request arrives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Behaviour {
+    /// Answers every request at once.
+    Healthy,
+    /// Closes its connection when its first generation request arrives.
+    DiesOnRequest,
+    /// Never answers (its heartbeats go on).
+    Hangs,
+}
+
+/// How a healthy fake worker answers a request.
+pub type Answer = Arc<dyn Fn(&GenerateRequest) -> GenerateResponse + Send + Sync>;
+
+/// The greeting of a process of `role` named `name`, of this build.
+pub fn hello(role: &str, name: &str) -> Hello {
+    Hello {
+        role: role.into(),
+        name: name.into(),
+        version: env!("CARGO_PKG_VERSION").into(),
+        credits: 64,
+        info: serde_json::Value::Null,
+    }
+}
+
+/// A completion of one token that names its prompt (its seed).
+pub fn seed_completion(prompt: &PromptRequest) -> Completion {
+    Completion {
+        token_ids: vec![prompt.seed.unwrap_or(0) as u32],
+        logprobs: vec![-0.5],
+        finish_reason: FinishReason::Stop,
+        weight_version: 0,
+    }
+}
+
+/// Answers every prompt with `n` copies of [`seed_completion`].
+pub fn seed_answers() -> Answer {
+    Arc::new(|request: &GenerateRequest| GenerateResponse {
+        groups: request
+            .prompts
+            .iter()
+            .map(|p| vec![seed_completion(p); p.n as usize])
+            .collect(),
+        metrics: Default::default(),
+    })
+}
+
+/// Accepts one authenticated connection on `listener` (as worker `name`) and serves it as
+/// `behaviour` says until it closes. A weight sync is taken at its word (nothing is pulled):
+/// later completions carry its version. Anything else is refused.
+pub async fn serve(
+    listener: TcpListener,
+    key: ClusterKey,
+    name: String,
+    behaviour: Behaviour,
+    answer: Answer,
+) {
+    let Ok((stream, _)) = listener.accept().await else {
+        return;
+    };
+    let limits = LinkLimits::default();
+    let Ok(link) = Link::accept(stream, &key, &hello("worker", &name), &limits).await else {
+        return;
+    };
+    let mut server = link.server();
+    let mut held = Vec::new();
+    let mut version = 0;
+    while let Some(incoming) = server.requests.recv().await {
+        if incoming.frame.kind == MessageKind::SyncWeights {
+            let answered = match incoming.decode::<SyncWeights>() {
+                Ok(SyncWeights { weights }) => {
+                    version = weights.version;
+                    server
+                        .responder
+                        .reply(incoming.call, &weights, Bytes::new(), false)
+                }
+                Err(err) => server.responder.fail(incoming.call, err.to_string()),
+            };
+            if answered.is_err() {
+                return;
+            }
+            continue;
+        }
+        if incoming.frame.kind != MessageKind::GenerateRequest {
+            let _ = server
+                .responder
+                .fail(incoming.call, "a fake worker only generates");
+            continue;
+        }
+        match behaviour {
+            Behaviour::DiesOnRequest => return,
+            Behaviour::Hangs => held.push(incoming),
+            Behaviour::Healthy => {
+                let Ok(request) = incoming.decode::<GenerateRequest>() else {
+                    let _ = server
+                        .responder
+                        .fail(incoming.call, "not a GenerateRequest");
+                    continue;
+                };
+                let mut response = answer(&request);
+                for completion in response.groups.iter_mut().flatten() {
+                    completion.weight_version = version;
+                }
+                if server
+                    .responder
+                    .reply(incoming.call, &response, Bytes::new(), false)
+                    .is_err()
+                {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// Starts a fake worker on loopback that answers with [`seed_answers`], and connects to it
+/// as the controller.
+pub async fn fake_worker(
+    key: &ClusterKey,
+    name: &str,
+    behaviour: Behaviour,
+) -> Result<RpcClient, rollout_net::NetError> {
+    let listener = rollout_net::link::listen("127.0.0.1:0").await?;
+    let address = listener
+        .local_addr()
+        .map_err(|err| rollout_net::NetError::Connect {
+            addr: "127.0.0.1:0".into(),
+            reason: err.to_string(),
+        })?
+        .to_string();
+    tokio::spawn(serve(
+        listener,
+        key.clone(),
+        name.to_owned(),
+        behaviour,
+        seed_answers(),
+    ));
+    let limits = LinkLimits::default();
+    Ok(
+        Link::connect(&address, key, &hello("controller", "controller"), &limits)
+            .await?
+            .client(),
+    )
+}

@@ -1,0 +1,282 @@
+//! The controller of a distributed run: it accepts the role processes (authenticated before
+//! anything they send is parsed), sends each the run's config, and drives the same training
+//! loop as `rollout run` through remote roles.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::Duration;
+
+use bytes::Bytes;
+use rollout_net::ClusterKey;
+use rollout_net::heard::HeardClock;
+use rollout_net::link::{Link, LinkLimits};
+use rollout_net::messages::{Done, Hello, Welcome};
+use rollout_net::rpc::RpcClient;
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+
+use super::ClusterError;
+use crate::session::open_services;
+use rollout_core::cluster::ledger::Ledger;
+use rollout_core::cluster::pool::{PoolSettings, RemoteWorkers};
+use rollout_core::cluster::remote::RemoteTrainers;
+use rollout_core::config::{ClusterConfig, LoadedConfig};
+use rollout_core::telemetry::{Observed, RoleKind, Telemetry, WorkerHealth};
+use rollout_core::train::{Controller, PolicyRoles, Roles, Start, Summary, Trainees};
+
+/// The connection settings of a run's cluster section.
+pub fn link_limits(cluster: &ClusterConfig) -> Result<LinkLimits, ClusterError> {
+    let tls = if cluster.tls {
+        Some(rollout_net::tls::TlsContext::new()?)
+    } else {
+        None
+    };
+    Ok(LinkLimits {
+        heartbeat: Duration::from_secs_f64(cluster.heartbeat_seconds),
+        peer_timeout: Duration::from_secs_f64(cluster.peer_timeout_seconds),
+        tls,
+        ..LinkLimits::default()
+    })
+}
+
+fn controller_hello() -> Hello {
+    Hello {
+        role: "controller".into(),
+        name: "controller".into(),
+        version: env!("CARGO_PKG_VERSION").into(),
+        credits: 64,
+        info: serde_json::Value::Null,
+    }
+}
+
+/// Accepts connections for as long as the process lives; each must authenticate within the
+/// handshake timeout. Authenticated links are handed to `joined` while it is open.
+fn accept_roles(
+    listener: TcpListener,
+    key: ClusterKey,
+    limits: LinkLimits,
+) -> mpsc::Receiver<Link> {
+    let (joined, links) = mpsc::channel(64);
+    tokio::spawn(async move {
+        loop {
+            let (stream, addr) = match listener.accept().await {
+                Ok(accepted) => accepted,
+                Err(err) => {
+                    tracing::warn!("accepting a connection failed: {err}");
+                    continue;
+                }
+            };
+            let (key, limits, joined) = (key.clone(), limits.clone(), joined.clone());
+            tokio::spawn(async move {
+                match Link::accept(stream, &key, &controller_hello(), &limits).await {
+                    Ok(link) => {
+                        let who = link.describe();
+                        if joined.send(link).await.is_err() {
+                            tracing::warn!("{who} connected, but the run is over");
+                        }
+                    }
+                    Err(err) => tracing::warn!("refused a connection from {addr}: {err}"),
+                }
+            });
+        }
+    });
+    links
+}
+
+/// The role processes of a run, connected and loaded.
+pub struct Joined {
+    pub workers: RemoteWorkers,
+    pub trainers: RemoteTrainers,
+    /// Where the trainer ranks' health is reported (the pool reports the workers').
+    health: WorkerHealth,
+    /// Each trainer rank's name and connection clock.
+    trainer_clocks: Vec<(String, HeardClock)>,
+}
+
+impl Drop for Joined {
+    /// The run is over (or abandoned after a lost trainer rank): its processes are down
+    /// until a new attempt's join.
+    fn drop(&mut self) {
+        for (name, heard) in &self.trainer_clocks {
+            self.health.left(RoleKind::Trainer, name, heard);
+        }
+        self.workers.report_left();
+    }
+}
+
+/// Waits until `cluster.workers` workers and `cluster.trainers` trainer ranks have joined,
+/// then sends each the run's config and waits until every one has loaded its policy.
+/// Generation workers that connect later join the running pool. Joins and losses are
+/// reported to `health`.
+pub async fn gather(
+    listener: TcpListener,
+    key: ClusterKey,
+    loaded: &LoadedConfig,
+    health: WorkerHealth,
+) -> Result<Joined, ClusterError> {
+    let cluster = &loaded.config.cluster;
+    let limit = Duration::from_secs_f64(cluster.join_timeout_seconds);
+    let limits = link_limits(cluster)?;
+    if limits.tls.is_some() {
+        tracing::info!("links are encrypted (TLS 1.3, bound to the cluster secret)");
+    }
+    let mut links = accept_roles(listener, key, limits);
+    let mut workers: Vec<Link> = Vec::new();
+    let mut ranks: Vec<Option<Link>> = (0..cluster.trainers).map(|_| None).collect();
+    let deadline = tokio::time::Instant::now() + limit;
+    while workers.len() < cluster.workers as usize || ranks.iter().any(Option::is_none) {
+        let link = tokio::time::timeout_at(deadline, links.recv())
+            .await
+            .map_err(|_| {
+                ClusterError::Protocol(format!(
+                    "after {limit:?}, {} of {} generation workers and {} of {} trainer ranks \
+                     had joined (cluster.join_timeout_seconds)",
+                    workers.len(),
+                    cluster.workers,
+                    ranks.iter().filter(|r| r.is_some()).count(),
+                    cluster.trainers
+                ))
+            })?
+            .ok_or_else(|| ClusterError::Protocol("the listener stopped".into()))?;
+        match link.peer.role.as_str() {
+            "worker" if workers.len() < cluster.workers as usize => workers.push(link),
+            "trainer" => {
+                let rank = link.peer.info["rank"].as_u64().unwrap_or(u64::MAX);
+                let world = link.peer.info["world_size"].as_u64().unwrap_or(0);
+                match ranks.get_mut(rank as usize) {
+                    Some(slot) if slot.is_none() && world == u64::from(cluster.trainers) => {
+                        *slot = Some(link);
+                    }
+                    _ => tracing::warn!(
+                        "refused {}: rank {rank} of {world} does not fit {} trainer ranks",
+                        link.describe(),
+                        cluster.trainers
+                    ),
+                }
+            }
+            _ => tracing::warn!(
+                "refused {}: the run needs no more of that role",
+                link.describe()
+            ),
+        }
+    }
+    tracing::info!(
+        "{} generation workers and {} trainer ranks joined; loading the policy in each",
+        workers.len(),
+        ranks.len()
+    );
+    let config_toml = toml::to_string(&loaded.config)
+        .map_err(|err| ClusterError::Protocol(format!("cannot serialise the config: {err}")))?;
+    let workers: Vec<RpcClient> = workers.into_iter().map(Link::client).collect();
+    let trainers: Vec<RpcClient> = ranks.into_iter().flatten().map(Link::client).collect();
+    let mut welcomes = Vec::new();
+    for (index, client) in workers.iter().chain(&trainers).enumerate() {
+        let welcome = Welcome {
+            config_toml: config_toml.clone(),
+            assignment: serde_json::json!({ "index": index }),
+        };
+        welcomes.push((
+            client.describe().to_owned(),
+            client.call(&welcome, Bytes::new())?,
+        ));
+    }
+    for (who, call) in welcomes {
+        tokio::time::timeout_at(deadline, call.answer::<Done>())
+            .await
+            .map_err(|_| ClusterError::Protocol(format!("{who} did not load in time")))?
+            .map_err(|err| ClusterError::Protocol(format!("{who} could not start: {err}")))?;
+    }
+    let journal = loaded.config.run.output_dir.join("ledger.jsonl");
+    let settings = PoolSettings {
+        lease_timeout: Duration::from_secs_f64(cluster.lease_timeout_seconds),
+        join_timeout: limit,
+        max_attempts: cluster.max_attempts,
+        health: health.clone(),
+    };
+    let workers = RemoteWorkers::new(workers, Ledger::new(Some(&journal)), settings);
+    workers.admit_late_workers(links, config_toml);
+    let trainer_clocks = trainers_joined(&health, &trainers);
+    Ok(Joined {
+        workers,
+        trainers: RemoteTrainers::new(trainers),
+        health,
+        trainer_clocks,
+    })
+}
+
+/// Reports the trainer ranks as joined; returns their names and connection clocks.
+fn trainers_joined(health: &WorkerHealth, trainers: &[RpcClient]) -> Vec<(String, HeardClock)> {
+    let joined = trainers.iter().map(|client| {
+        let (name, heard) = (client.peer().name.clone(), client.heard());
+        health.joined(RoleKind::Trainer, &name, heard.clone());
+        (name, heard)
+    });
+    joined.collect()
+}
+
+/// Runs the controller: the run's data, rewards, environment and callbacks here, generation
+/// and training in the joined role processes. Step metrics and the roles' health go to
+/// `telemetry` too, when there is one (`/metrics`).
+pub async fn run(
+    loaded: &LoadedConfig,
+    listener: TcpListener,
+    key: ClusterKey,
+    start: Start,
+    interrupted: Arc<AtomicBool>,
+    telemetry: Option<&Telemetry>,
+) -> Result<Summary, ClusterError> {
+    let services = async {
+        let worker = rollout_python::interpreter::start(&loaded.config.python).await?;
+        Ok::<_, ClusterError>(open_services(worker, loaded).await?)
+    };
+    let health = telemetry.map(Telemetry::health).unwrap_or_default();
+    let (joined, services) = tokio::join!(gather(listener, key, loaded, health), services);
+    let joined = joined?;
+    let (services, records) = match services {
+        Ok(services) => services,
+        Err(err) => {
+            shutdown(&joined, "the controller could not load its plugins").await;
+            return Err(err);
+        }
+    };
+    let observer = Observed::new(&services, telemetry);
+    let roles = Roles {
+        trainees: Trainees::Policy(PolicyRoles {
+            generator: &joined.workers,
+            learner: &joined.trainers,
+            tokenizer: &joined.workers,
+            scorer: &services,
+            environments: services.has_environment().then_some(&services as _),
+        }),
+        observer: &observer,
+    };
+    let mut controller = Controller::new(&loaded.config, roles, records, interrupted);
+    let result = controller.run(start).await;
+    controller.finish(result.as_ref().ok()).await;
+    let reason = match &result {
+        Ok(_) => "the run finished".to_string(),
+        Err(err) => format!("the run stopped: {err}"),
+    };
+    shutdown(&joined, &reason).await;
+    Ok(result?)
+}
+
+async fn shutdown(joined: &Joined, reason: &str) {
+    let limit = Duration::from_secs(30);
+    let _ = tokio::time::timeout(limit, async {
+        tokio::join!(
+            joined.workers.shutdown(reason),
+            joined.trainers.shutdown(reason)
+        )
+    })
+    .await;
+}
+
+/// Where `rollout launch` shows the roles the controller listens on.
+pub fn describe_listener(listener: &TcpListener, config: &Path) -> String {
+    match listener.local_addr() {
+        Ok(addr) => format!("controller for {} listening on {addr}", config.display()),
+        Err(_) => format!("controller for {}", config.display()),
+    }
+}

@@ -1,0 +1,171 @@
+//! `rollout launch`: the controller in this process, the roles as child processes, and
+//! restarts from the last checkpoint when a role is lost.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use crate::processes::ClusterError;
+use anyhow::Context;
+use rollout_core::config;
+use rollout_core::roles::RoleError;
+use rollout_core::telemetry;
+use rollout_core::train::{RunError, Start};
+
+use crate::interrupt::watch_ctrl_c;
+use crate::session::format_summary;
+
+/// `rollout launch`: the controller in this process and, unless `external_roles`, every
+/// role as a child process of this one.
+pub(crate) async fn launch(
+    loaded: config::LoadedConfig,
+    start: Start,
+    external_roles: bool,
+) -> anyhow::Result<()> {
+    let cluster_config = &loaded.config.cluster;
+    let secret = match (
+        &cluster_config.secret_file,
+        std::env::var(super::SECRET_ENV),
+    ) {
+        (Some(path), _) => std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read the cluster secret {}", path.display()))?,
+        (None, Ok(secret)) => secret,
+        (None, Err(_)) if !external_roles => rollout_net::ClusterKey::random_secret(),
+        (None, Err(_)) => anyhow::bail!(
+            "roles started elsewhere must prove a shared secret: set [cluster] secret_file or {}",
+            super::SECRET_ENV
+        ),
+    };
+    let key = rollout_net::ClusterKey::from_secret(secret.as_bytes())?;
+    let interrupted = watch_ctrl_c();
+    // One server for every attempt: the series go on across restarts of the roles.
+    let metrics = telemetry::start(&loaded.config.metrics).await?;
+    let telemetry = metrics.as_ref().map(telemetry::MetricsServer::telemetry);
+    let mut start = start;
+    let mut restarts = 0;
+    loop {
+        let roles = Launched {
+            key: &key,
+            secret: &secret,
+            external_roles,
+            telemetry,
+        };
+        let attempt = launch_once(&loaded, start, roles, &interrupted);
+        let failure = match attempt.await {
+            Attempt::Finished(result) => {
+                let summary = result?;
+                println!("{}", format_summary(&summary));
+                return Ok(());
+            }
+            Attempt::RoleLost(failure) => failure,
+        };
+        let limit = cluster_config.max_run_restarts;
+        if restarts >= limit || interrupted.load(Ordering::SeqCst) {
+            return Err(failure.context(format!(
+                "the run was restarted {restarts} times already (cluster.max_run_restarts = {limit})"
+            )));
+        }
+        restarts += 1;
+        tracing::warn!(
+            "{failure:#}; restarting every role from the last checkpoint ({restarts} of {limit})"
+        );
+        start = Start::Resume;
+    }
+}
+
+/// How one launch of a run's processes ended.
+enum Attempt {
+    Finished(anyhow::Result<rollout_core::train::Summary>),
+    /// A trainer rank (or every generation worker) was lost: the run can restart from its
+    /// last checkpoint.
+    RoleLost(anyhow::Error),
+}
+
+/// Whether `err` is a role lost or silent (the run can restart from its last checkpoint),
+/// rather than a failure that would happen again (plugin error, bad config).
+fn is_role_loss(err: &ClusterError) -> bool {
+    matches!(
+        err,
+        ClusterError::Role(RoleError::WorkerLost { .. } | RoleError::TimedOut { .. })
+            | ClusterError::Run(RunError::Role(
+                RoleError::WorkerLost { .. } | RoleError::TimedOut { .. }
+            ))
+    )
+}
+
+/// How `rollout launch` connects and watches the role processes of each attempt.
+#[derive(Clone, Copy)]
+struct Launched<'a> {
+    key: &'a rollout_net::ClusterKey,
+    secret: &'a str,
+    external_roles: bool,
+    /// Where `/metrics` shows the roles' health, when it is served.
+    telemetry: Option<&'a telemetry::Telemetry>,
+}
+
+/// Listens, starts the roles (unless `external_roles`) and runs the controller until the
+/// run ends or a role it cannot do without is lost.
+async fn launch_once(
+    loaded: &config::LoadedConfig,
+    start: Start,
+    launched: Launched<'_>,
+    interrupted: &Arc<AtomicBool>,
+) -> Attempt {
+    use super::children::{Exited, spawn_roles};
+    let cluster_config = &loaded.config.cluster;
+    let listener = match rollout_net::link::listen(&cluster_config.listen).await {
+        Ok(listener) => listener,
+        Err(err) => return Attempt::Finished(Err(err.into())),
+    };
+    tracing::info!(
+        "{}",
+        super::controller::describe_listener(&listener, &loaded.path)
+    );
+    let mut children = if launched.external_roles {
+        None
+    } else {
+        let Ok(address) = listener.local_addr() else {
+            return Attempt::Finished(Err(anyhow::anyhow!("the listener has no address")));
+        };
+        let debug = tracing::enabled!(tracing::Level::DEBUG);
+        match spawn_roles(cluster_config, address, launched.secret, debug) {
+            Ok(children) => Some(children),
+            Err(err) => return Attempt::Finished(Err(err.into())),
+        }
+    };
+    let key = launched.key.clone();
+    let telemetry = launched.telemetry;
+    let run = super::controller::run(loaded, listener, key, start, interrupted.clone(), telemetry);
+    let mut run = std::pin::pin!(run);
+    // A trainer rank that exits before the controller shuts it down ends this attempt at
+    // once (its connection would otherwise only be missed after the heartbeat timeout); a
+    // generation worker that dies is started again and rejoins.
+    let result = match children.as_mut() {
+        None => run.await,
+        Some(roles) => loop {
+            tokio::select! {
+                result = &mut run => break result,
+                Some(exited) = roles.next_exit() => match exited {
+                    Exited::Fatal(reason) => return Attempt::RoleLost(anyhow::anyhow!(reason)),
+                    Exited::Restarted(name) => report_restart(telemetry, &name),
+                    Exited::Left => {}
+                },
+            }
+        },
+    };
+    if let Some(children) = children {
+        children.reap(std::time::Duration::from_secs(30)).await;
+    }
+    match result {
+        Err(err) if is_role_loss(&err) => Attempt::RoleLost(err.into()),
+        result => Attempt::Finished(result.map_err(Into::into)),
+    }
+}
+
+/// Counts a restart of the generation worker `name` in `/metrics`, when it is served.
+fn report_restart(telemetry: Option<&telemetry::Telemetry>, name: &str) {
+    if let Some(telemetry) = telemetry {
+        telemetry
+            .health()
+            .restarted(telemetry::RoleKind::Worker, name);
+    }
+}

@@ -1,0 +1,77 @@
+//! A run whose roles are separate processes: the controller (this module's
+//! [`controller`]), generation workers and trainer ranks ([`serve`]), connected by
+//! authenticated `rollout_net` links, with weight versions relayed along the workers
+//! ([`weights`]). [`launch`] starts all of them on one machine.
+
+pub mod children;
+pub mod controller;
+pub mod launch;
+pub mod serve;
+pub mod worker;
+
+use rollout_net::{AuthError, ClusterKey, NetError};
+
+use rollout_core::cluster::weights;
+use rollout_core::config::ConfigError;
+use rollout_core::roles::RoleError;
+use rollout_core::train::RunError;
+use rollout_python::HostError;
+use rollout_python::interpreter::PythonError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    #[error(transparent)]
+    Net(NetError),
+    #[error(transparent)]
+    Auth(#[from] AuthError),
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Python(#[from] PythonError),
+    #[error(transparent)]
+    Local(#[from] HostError),
+    #[error(transparent)]
+    Role(#[from] RoleError),
+    #[error(transparent)]
+    Run(#[from] RunError),
+    #[error(transparent)]
+    Session(#[from] crate::session::SessionError),
+    #[error(transparent)]
+    Weights(#[from] weights::WeightsError),
+    #[error(transparent)]
+    Tls(#[from] rollout_net::tls::TlsError),
+    #[error("lost the controller: {0}")]
+    ControllerLost(String),
+    #[error("the run is over: the controller takes no more roles")]
+    RunOver,
+    #[error("{0}")]
+    Protocol(String),
+    #[error("{0}")]
+    Secret(String),
+    #[error("{0}")]
+    Io(std::io::Error),
+}
+
+/// The environment variable holding the cluster secret.
+pub const SECRET_ENV: &str = "ROLLOUT_CLUSTER_SECRET";
+
+/// The cluster key from `secret_file`, else `ROLLOUT_CLUSTER_SECRET`.
+pub fn cluster_key(secret_file: Option<&std::path::Path>) -> Result<ClusterKey, ClusterError> {
+    let secret = match secret_file {
+        Some(path) => std::fs::read(path).map_err(|err| {
+            ClusterError::Secret(format!(
+                "cannot read the cluster secret {}: {err}",
+                path.display()
+            ))
+        })?,
+        None => std::env::var(SECRET_ENV)
+            .map_err(|_| {
+                ClusterError::Secret(format!(
+                    "no cluster secret: set {SECRET_ENV} or pass --secret-file (every process \
+                     of a run must know the same secret)"
+                ))
+            })?
+            .into_bytes(),
+    };
+    Ok(ClusterKey::from_secret(&secret)?)
+}

@@ -1,0 +1,295 @@
+//! `rollout worker`: a generation worker. It serves generation and tokenization to the
+//! controller, and serves the weight versions it holds to the next worker of the relay.
+//!
+//! A worker whose connection to the controller breaks connects again (within
+//! `--connect-retry`) and rejoins the run with the policy it already loaded. SIGTERM drains
+//! it: the generation in progress is finished and answered, requests not yet started are
+//! left unanswered (the controller leases their groups to other workers), and it exits.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use rollout_net::link::Link;
+use rollout_net::messages::{
+    Done, GenerateRequest, MessageKind, SyncWeights, TokenizerRequest, TokenizerResponse,
+    WeightsReport,
+};
+use rollout_net::rpc::RpcServer;
+use tokio::signal::unix::{Signal, SignalKind, signal};
+use tokio::sync::mpsc;
+use tracing::{Instrument, Span};
+
+use super::ClusterError;
+use super::serve::{
+    RoleArgs, WEIGHT_WAIT, advertised, answer, bad_request, hello, load_policy, welcome,
+};
+use rollout_core::cluster::weights::{VersionBuffer, WeightStore};
+use rollout_core::roles::{Generator, RoleError, Tokenizer};
+use rollout_python::hosts::PolicyHost;
+
+/// How long a worker that lost its controller waits before connecting again (a controller
+/// that refuses it at once would otherwise see it back in a tight loop).
+const RECONNECT_PAUSE: Duration = Duration::from_secs(1);
+
+/// Work a generation worker does strictly in arrival order: generation, and swapping in
+/// weight versions between generations. Each carries its request's span (`--trace`), which
+/// starts on arrival: its time in the queue is part of it.
+enum Ordered {
+    Generate(u64, GenerateRequest, Span),
+    Swap(
+        u64,
+        tokio::task::JoinHandle<Result<Arc<VersionBuffer>, ClusterError>>,
+        WeightsReport,
+        Span,
+    ),
+}
+
+/// Why a worker stopped serving a connection.
+enum Ended {
+    /// The controller shut it down, or SIGTERM drained it: the process exits.
+    Done,
+    /// The connection broke: connect again.
+    Lost(String),
+}
+
+/// The policy loaded for a run's config.
+struct Loaded {
+    config_toml: String,
+    host: Arc<PolicyHost>,
+}
+
+pub async fn run_worker(args: RoleArgs) -> Result<(), ClusterError> {
+    let mut terminate = signal(SignalKind::terminate()).map_err(ClusterError::Io)?;
+    let listener = rollout_net::link::listen(&args.listen).await?;
+    let weights_address = advertised(&listener, &args.connect)?;
+    let info = serde_json::json!({ "weights_address": weights_address });
+    let store = WeightStore::default();
+    store.serve(
+        listener,
+        args.key.clone(),
+        hello("worker", &args, info.clone()),
+        args.limits.clone(),
+        WEIGHT_WAIT,
+    );
+    let mut loaded: Option<Loaded> = None;
+    loop {
+        let welcomed = match welcome("worker", &args, info.clone()).await {
+            Ok(welcomed) => welcomed,
+            // Rejoining after the run ended: nothing left to do.
+            Err(ClusterError::RunOver) if loaded.is_some() => return Ok(()),
+            Err(err) => return Err(err),
+        };
+        let host = match &loaded {
+            Some(same) if same.config_toml == welcomed.config_toml => same.host.clone(),
+            _ => match load_policy(&welcomed.loaded).await {
+                Ok(host) => {
+                    let host = Arc::new(host);
+                    loaded = Some(Loaded {
+                        config_toml: welcomed.config_toml.clone(),
+                        host: host.clone(),
+                    });
+                    host
+                }
+                Err(err) => {
+                    welcomed.answer(Err(&err));
+                    return Err(err);
+                }
+            },
+        };
+        welcomed.answer(Ok(()));
+        let serving = Serving {
+            args: &args,
+            host,
+            store: store.clone(),
+        };
+        match serving.serve(welcomed.server, &mut terminate).await? {
+            Ended::Done => return Ok(()),
+            Ended::Lost(reason) => {
+                tracing::warn!("lost the controller ({reason}); connecting again");
+                tokio::time::sleep(RECONNECT_PAUSE).await;
+            }
+        }
+    }
+}
+
+/// One connection's worth of serving.
+struct Serving<'a> {
+    args: &'a RoleArgs,
+    host: Arc<PolicyHost>,
+    store: WeightStore,
+}
+
+impl Serving<'_> {
+    async fn serve(
+        &self,
+        mut server: RpcServer,
+        terminate: &mut Signal,
+    ) -> Result<Ended, ClusterError> {
+        let (ordered, queue) = mpsc::unbounded_channel::<Ordered>();
+        let draining = Arc::new(AtomicBool::new(false));
+        let executor = tokio::spawn(execute_in_order(
+            queue,
+            self.host.clone(),
+            server.responder.clone(),
+            self.args.name.clone(),
+            draining.clone(),
+        ));
+        let ended = loop {
+            let incoming = tokio::select! {
+                incoming = server.requests.recv() => incoming,
+                _ = terminate.recv() => {
+                    tracing::info!("draining: finishing the generation in progress, then leaving");
+                    draining.store(true, Ordering::SeqCst);
+                    break Ended::Done;
+                }
+            };
+            let Some(incoming) = incoming else {
+                break Ended::Lost(server.closed_reason());
+            };
+            let call = incoming.call;
+            match incoming.frame.kind {
+                MessageKind::GenerateRequest => {
+                    let request: GenerateRequest = incoming
+                        .decode()
+                        .map_err(|err| bad_request(&incoming, err))?;
+                    let span = tracing::info_span!("rpc.generate", prompts = request.prompts.len());
+                    let _ = ordered.send(Ordered::Generate(call, request, span));
+                }
+                MessageKind::SyncWeights => {
+                    let SyncWeights { weights } = incoming
+                        .decode()
+                        .map_err(|err| bad_request(&incoming, err))?;
+                    let span = tracing::info_span!("rpc.sync_weights", version = weights.version);
+                    let pulled = self.pull(weights.clone(), &span);
+                    let _ = ordered.send(Ordered::Swap(call, pulled, weights, span));
+                }
+                MessageKind::TokenizerRequest => {
+                    let request: TokenizerRequest = incoming
+                        .decode()
+                        .map_err(|err| bad_request(&incoming, err))?;
+                    let (host, responder) = (self.host.clone(), server.responder.clone());
+                    let span = tracing::info_span!("rpc.tokenize");
+                    tokio::spawn(
+                        async move {
+                            answer(&responder, call, tokenize(&host, request).await);
+                        }
+                        .instrument(span),
+                    );
+                }
+                MessageKind::Shutdown => {
+                    answer(&server.responder, call, Ok(Done {}));
+                    break Ended::Done;
+                }
+                other => {
+                    let _ = server
+                        .responder
+                        .fail(call, format!("a generation worker does not serve {other}"));
+                }
+            }
+        };
+        drop(ordered);
+        let _ = executor.await;
+        server.close(Duration::from_secs(10)).await;
+        Ok(ended)
+    }
+
+    /// Starts pulling `report`'s weights at once, while earlier generations still run.
+    fn pull(
+        &self,
+        report: WeightsReport,
+        request: &Span,
+    ) -> tokio::task::JoinHandle<Result<Arc<VersionBuffer>, ClusterError>> {
+        let span = tracing::info_span!(parent: request, "weights.pull", bytes = report.bytes);
+        let (store, key) = (self.store.clone(), self.args.key.clone());
+        let source_hello = hello("worker", self.args, serde_json::Value::Null);
+        let limits = self.args.limits.clone();
+        tokio::spawn(
+            async move {
+                let source = Link::connect(&report.source, &key, &source_hello, &limits)
+                    .await?
+                    .client();
+                Ok(store.pull(&source, &report).await?)
+            }
+            .instrument(span),
+        )
+    }
+}
+
+/// Generations and weight swaps, one at a time in arrival order; once `draining`, nothing
+/// new is started.
+async fn execute_in_order(
+    mut queue: mpsc::UnboundedReceiver<Ordered>,
+    host: Arc<PolicyHost>,
+    responder: rollout_net::rpc::Responder,
+    name: String,
+    draining: Arc<AtomicBool>,
+) {
+    while let Some(job) = queue.recv().await {
+        if draining.load(Ordering::SeqCst) {
+            break;
+        }
+        match job {
+            Ordered::Generate(call, request, span) => {
+                answer(
+                    &responder,
+                    call,
+                    host.generate(request).instrument(span).await,
+                );
+            }
+            Ordered::Swap(call, pulled, report, span) => {
+                let swapped = swap_in(&host, pulled, report, &name).instrument(span).await;
+                answer(&responder, call, swapped);
+            }
+        }
+    }
+}
+
+async fn swap_in(
+    host: &PolicyHost,
+    pulled: tokio::task::JoinHandle<Result<Arc<VersionBuffer>, ClusterError>>,
+    report: WeightsReport,
+    name: &str,
+) -> Result<WeightsReport, RoleError> {
+    let started = std::time::Instant::now();
+    let buffer = pulled
+        .await
+        .map_err(|err| RoleError::Runtime(format!("the weight pull failed: {err}")))?
+        .map_err(|err| RoleError::Protocol(err.to_string()))?;
+    let tensors = buffer
+        .tensors()
+        .map_err(|err| RoleError::Protocol(err.to_string()))?;
+    host.import_weights(report.version, Arc::new(tensors))
+        .await?;
+    tracing::debug!(
+        "serving weight version {} ({} bytes, {:.3} s after the request)",
+        report.version,
+        buffer.bytes(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(WeightsReport {
+        holder: name.to_owned(),
+        bytes: buffer.bytes(),
+        ..report
+    })
+}
+
+async fn tokenize(
+    host: &PolicyHost,
+    request: TokenizerRequest,
+) -> Result<TokenizerResponse, RoleError> {
+    Ok(match request {
+        TokenizerRequest::Encode {
+            texts,
+            continuation,
+        } => TokenizerResponse::Ids {
+            ids: host.encode(texts, continuation).await?,
+        },
+        TokenizerRequest::Decode { sequences } => TokenizerResponse::Texts {
+            texts: host.decode(sequences).await?,
+        },
+        TokenizerRequest::EosTokenIds => TokenizerResponse::Ids {
+            ids: vec![host.eos_token_ids().await?],
+        },
+    })
+}
