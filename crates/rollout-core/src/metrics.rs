@@ -19,7 +19,8 @@ macro_rules! step_metrics {
     ) => {
         $(#[$meta])*
         pub struct $name {
-            $( $(#[$required_doc])* pub $required: $required_ty, )*
+            // Required of a writer; a reader takes a line without one (an older run's).
+            $( $(#[$required_doc])* #[serde(default)] pub $required: $required_ty, )*
             $(
                 $(#[$optional_doc])*
                 #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -157,10 +158,14 @@ impl StepMetrics {
         serde_json::to_value(self).unwrap_or(serde_json::Value::Null)
     }
 
-    /// Reads a line of `metrics.jsonl`. Counts written as floats (`2.0`, as earlier versions
-    /// wrote some) read as the integers they are.
+    /// Reads a line of `metrics.jsonl`.
     pub fn from_line(line: &str) -> Result<Self, serde_json::Error> {
-        let mut value: serde_json::Value = serde_json::from_str(line)?;
+        Self::from_value(serde_json::from_str(line)?)
+    }
+
+    /// Reads a line of `metrics.jsonl` parsed as JSON. Counts written as floats (`2.0`, as
+    /// earlier versions wrote some) read as the integers they are.
+    pub fn from_value(mut value: serde_json::Value) -> Result<Self, serde_json::Error> {
         if let serde_json::Value::Object(fields) = &mut value {
             for field in fields.values_mut() {
                 if let Some(integer) = field.as_f64().and_then(as_count) {

@@ -11,11 +11,12 @@ use std::future::Future;
 use std::path::PathBuf;
 use std::pin::Pin;
 
-use crate::metrics::StepMetrics;
 use rollout_net::messages::{
     GenerateRequest, GenerateResponse, ScoreRequest, ScoreResponse, TrainRequest, TrainResponse,
     ValuesRequest, ValuesResponse, WeightsReport,
 };
+
+use crate::metrics::StepMetrics;
 
 pub type RoleFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, RoleError>> + Send + 'a>>;
 

@@ -6,18 +6,18 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Instant;
 
-use rollout_net::messages::{Completion, FinishReason, GenerateRequest, GenerateResponse};
-use tracing::Instrument;
-
-use crate::contract::KvLayout;
-use crate::interpreter::PythonWorker;
-use crate::plugins::PolicyPlugin;
 use rollout_core::config::{EngineSection, SpeculationMethod};
 use rollout_core::roles::RoleError;
 use rollout_core::scheduler::{
     EngineConfig, EngineStats, Request, SampleParams, Scheduler, Speculation,
 };
 use rollout_core::seeds::mix;
+use rollout_net::messages::{Completion, FinishReason, GenerateRequest, GenerateResponse};
+use tracing::Instrument;
+
+use crate::contract::KvLayout;
+use crate::interpreter::PythonWorker;
+use crate::plugins::PolicyPlugin;
 
 /// The engine of a run: one scheduler and its cache, reused by every generation request.
 ///

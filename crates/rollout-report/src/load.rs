@@ -93,9 +93,9 @@ pub fn load_run(dir: &Path) -> Result<Run, ReportError> {
     })
 }
 
-/// Parses `metrics.jsonl`: one [`StepMetrics`] per line. A last line that does not parse is
-/// skipped (reported by the flag: a run still writing, or killed mid-write); any other is an
-/// error naming its line.
+/// Parses `metrics.jsonl`: one [`StepMetrics`] per line, by `step` (else the line's
+/// position). A last line that does not parse is skipped (reported by the flag: a run still
+/// writing, or killed mid-write); any other is an error naming its line.
 pub fn parse_metrics(text: &str, path: &Path) -> Result<(Vec<(f64, Metrics)>, bool), ReportError> {
     let lines: Vec<(usize, &str)> = text
         .lines()
@@ -105,9 +105,24 @@ pub fn parse_metrics(text: &str, path: &Path) -> Result<(Vec<(f64, Metrics)>, bo
     let mut by_step: BTreeMap<u64, Metrics> = BTreeMap::new();
     let mut partial = false;
     for (position, &(index, line)) in lines.iter().enumerate() {
-        match StepMetrics::from_line(line) {
-            Ok(metrics) => {
-                by_step.insert(metrics.step, metrics.values());
+        let parsed = serde_json::from_str::<Value>(line).and_then(|value| {
+            let logged: Vec<String> = value
+                .as_object()
+                .map(|fields| fields.keys().cloned().collect())
+                .unwrap_or_default();
+            Ok((logged, StepMetrics::from_value(value)?))
+        });
+        match parsed {
+            Ok((logged, metrics)) => {
+                let step = if logged.iter().any(|key| key == "step") {
+                    metrics.step
+                } else {
+                    position as u64 + 1
+                };
+                // What the line holds (a reader fills the fields it lacks with defaults).
+                let mut values = metrics.values();
+                values.retain(|key, _| logged.contains(key));
+                by_step.insert(step, values);
             }
             Err(_) if position + 1 == lines.len() => partial = true,
             Err(err) => return Err(bad_line(path, index, err.to_string())),

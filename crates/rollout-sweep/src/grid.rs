@@ -1,10 +1,10 @@
 //! The grid: `--grid key=v1,v2` axes, expanded (with seeds) into the sweep's runs, each with
 //! its `--set` overrides, a readable name and a directory name.
 
+use rollout_core::config::{KeyPath, Segment, parse_override_value};
 use serde::{Deserialize, Serialize};
 
 use crate::error::SweepError;
-use rollout_core::config::{KeyPath, Segment, parse_override_value};
 
 /// Keys the sweep sets itself, for every run.
 const RESERVED: [&str; 2] = ["run.output_dir", "run.name"];

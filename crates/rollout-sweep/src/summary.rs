@@ -3,13 +3,13 @@
 
 use std::path::{Path, PathBuf};
 
+use rollout_report::{RunFigures, load_run};
 use serde::Serialize;
 
 use super::grid::Point;
 use super::manifest::write_atomically;
 use super::status::RunStatus;
 use crate::error::SweepError;
-use rollout_report::{RunFigures, load_run};
 
 /// Steps at the end of a run whose mean `reward_mean` is its final reward (as
 /// `summary.json`'s `reward_mean_last_steps`).

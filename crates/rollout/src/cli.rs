@@ -217,13 +217,13 @@ impl RoleOptions {
         self,
         rank: u32,
         world_size: u32,
-    ) -> anyhow::Result<crate::processes::serve::RoleArgs> {
+    ) -> anyhow::Result<crate::processes::joining::RoleArgs> {
         let key = crate::processes::cluster_key(self.secret_file.as_deref())?;
         let name = self.name.unwrap_or_else(|| {
             let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
             format!("{}-{}", host.trim(), std::process::id())
         });
-        Ok(crate::processes::serve::RoleArgs {
+        Ok(crate::processes::joining::RoleArgs {
             connect: self.connect,
             name,
             listen: self.listen,

@@ -200,7 +200,7 @@ async fn execute(command: Command) -> anyhow::Result<()> {
                 "trainer rank {rank} is not below the world size {world_size}"
             );
             let args = role.into_args(rank, world_size)?;
-            Ok(crate::processes::serve::run_trainer(args).await?)
+            Ok(crate::processes::trainer::run_trainer(args).await?)
         }
         Command::Audit { output_dir } => {
             let audit = rollout_core::cluster::ledger::audit(&output_dir.join("ledger.jsonl"))?;

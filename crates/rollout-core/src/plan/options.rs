@@ -4,9 +4,8 @@
 
 use std::path::PathBuf;
 
-use crate::config::{KeyPath, LoadedConfig};
-
 use super::PlanError;
+use crate::config::{KeyPath, LoadedConfig};
 
 /// Bytes of one element of a floating-point dtype.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]

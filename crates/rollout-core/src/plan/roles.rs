@@ -2,8 +2,6 @@
 //! the trainer and the reference; `rollout launch` a controller, generation workers and
 //! trainer ranks; reward models run where the rewards are scored.
 
-use crate::config::Config;
-
 use super::estimate::{
     CONTROLLER_RUNTIME_BYTES, CUDA_CONTEXT_BYTES, CUDA_HOST_RUNTIME_BYTES, Component,
     HEAP_RETENTION, PEFT_BITSANDBYTES_BYTES, Phases, PolicyMemory, RUNTIME_BYTES,
@@ -12,6 +10,7 @@ use super::estimate::{
 use super::model::ModelShape;
 use super::options::{Device, Quantization, RewardModel};
 use super::workload::Workload;
+use crate::config::Config;
 
 /// A separately loaded model the policy holds besides its own (reference, draft).
 #[derive(Debug, Clone, PartialEq)]

@@ -1,9 +1,8 @@
 //! The token counts a step works on, as the controller, the engine and the trainer will see
 //! them: sequences per step, their length, the largest micro-batch, the KV blocks wanted.
 
-use crate::config::{Config, SpeculationMethod};
-
 use super::model::ModelShape;
+use crate::config::{Config, SpeculationMethod};
 
 /// Prompt tokens assumed when `[run] plan_prompt_tokens` is 0: as many as the completion
 /// budget (prompts are not read by the planner).

@@ -2,13 +2,14 @@
 
 use std::sync::atomic::AtomicU64;
 
-use crate::metrics::StepMetrics;
-use crate::roles::RunStarted;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
+
+use crate::metrics::StepMetrics;
+use crate::roles::RunStarted;
 
 pub(super) type FloatGauge = Gauge<f64, AtomicU64>;
 

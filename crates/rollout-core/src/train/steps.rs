@@ -10,7 +10,7 @@ use tracing::Instrument;
 
 use super::offline::OfflineData;
 use super::pipeline::{Pipeline, StepSamples};
-use super::{Controller, DataCursor, DataPosition, Kind, RunError, Sampler, team};
+use super::{Controller, DataCursor, DataPosition, Kind, RunError, Sampler, Team, team};
 use crate::metrics::StepMetrics;
 use crate::seeds::mix;
 
@@ -27,7 +27,7 @@ pub(super) struct StepDone {
 pub(super) enum Steps<'a> {
     Rl(RlSteps<'a>),
     Offline(OfflineSteps<'a>),
-    Team(DataCursor),
+    Team(&'a Team<'a>, DataCursor),
 }
 
 /// RL steps: later steps are sampled while earlier ones train, within `max_staleness`.
@@ -53,7 +53,7 @@ impl Steps<'_> {
     pub async fn finish(self) -> Result<(), RunError> {
         match self {
             Steps::Rl(mut rl) => Ok(rl.pipeline.finish_loading().await?),
-            Steps::Offline(_) | Steps::Team(_) => Ok(()),
+            Steps::Offline(_) | Steps::Team(..) => Ok(()),
         }
     }
 }
@@ -69,7 +69,7 @@ impl<'a> Controller<'a> {
             self.state.data,
         );
         let sampler = match &self.kind {
-            Kind::Team(_) => return Ok(Steps::Team(cursor)),
+            Kind::Team(team) => return Ok(Steps::Team(team, cursor)),
             Kind::Policy(sampler) => sampler.clone(),
         };
         if !self.config.algorithm.name.samples() {
@@ -120,10 +120,7 @@ impl<'a> Controller<'a> {
                     span,
                 }))
             }
-            Steps::Team(cursor) => {
-                let Kind::Team(team) = &self.kind else {
-                    return Ok(None);
-                };
+            Steps::Team(team, cursor) => {
                 let step = self.state.step + 1;
                 let picked = cursor.take(self.config.rollout.prompts_per_step);
                 let position = cursor.position();

@@ -93,16 +93,6 @@ impl<'py> IntoPyObject<'py> for Json {
     }
 }
 
-impl<'py> IntoPyObject<'py> for &Json {
-    type Target = PyAny;
-    type Output = Bound<'py, PyAny>;
-    type Error = PyErr;
-
-    fn into_pyobject(self, py: Python<'py>) -> PyResult<Self::Output> {
-        json_to_py(py, &self.0)
-    }
-}
-
 /// A JSON value as a Python object: objects become dicts, arrays lists.
 pub fn json_to_py<'py>(py: Python<'py>, value: &serde_json::Value) -> PyResult<Bound<'py, PyAny>> {
     use serde_json::Value;

@@ -5,15 +5,16 @@
 
 use std::sync::Arc;
 
+use rollout_core::config::{Config, LoadedConfig};
+use rollout_core::roles::{EpisodeResult, EpisodeStart, RoleError, StepResult};
+use rollout_core::sandbox::{EnvironmentPool, FailureLedger};
+
 use super::live_episodes::LiveEpisodes;
 use crate::HostError;
 use crate::interpreter::PythonWorker;
 use crate::plugins::{
     EnvironmentPlugin, environment_pool_spec, sandbox_launch, sandbox_load_error,
 };
-use rollout_core::config::{Config, LoadedConfig};
-use rollout_core::roles::{EpisodeResult, EpisodeStart, RoleError, StepResult};
-use rollout_core::sandbox::{EnvironmentPool, FailureLedger};
 
 pub enum EpisodeHost {
     InProcess(LiveEpisodes<EnvironmentPlugin>),

@@ -4,9 +4,10 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+use rollout_core::roles::{EpisodeStart, RoleError};
+
 use crate::interpreter::PythonWorker;
 use crate::plugins::{Episode, EpisodePlugin, PluginError};
-use rollout_core::roles::{EpisodeStart, RoleError};
 
 pub struct LiveEpisodes<P> {
     plugin: Arc<P>,

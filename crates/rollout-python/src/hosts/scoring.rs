@@ -4,14 +4,14 @@
 
 use std::sync::Arc;
 
+use rollout_core::config::{Config, LoadedConfig};
+use rollout_core::roles::RoleError;
+use rollout_core::sandbox::{FailureLedger, SandboxPool};
 use rollout_net::messages::{ScoreRequest, ScoreResponse};
 
 use crate::HostError;
 use crate::interpreter::PythonWorker;
 use crate::plugins::{RewardSet, pool_spec, sandbox_launch, sandbox_load_error};
-use rollout_core::config::{Config, LoadedConfig};
-use rollout_core::roles::RoleError;
-use rollout_core::sandbox::{FailureLedger, SandboxPool};
 
 pub enum Scoring {
     InProcess(Arc<RewardSet>),

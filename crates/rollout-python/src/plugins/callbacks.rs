@@ -4,12 +4,12 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use pyo3::prelude::*;
-
-use super::{PluginLoadError, PluginRef};
-use crate::contract::{RunInfo, json_to_py, to_python};
 use rollout_core::config::{KeyPath, LoadedConfig};
 use rollout_core::metrics::StepMetrics;
 use rollout_core::roles::RunStarted;
+
+use super::{PluginLoadError, PluginRef};
+use crate::contract::{RunInfo, json_to_py, to_python};
 
 struct Callback {
     plugin: PluginRef,

@@ -1,12 +1,11 @@
 //! The data source and its transforms.
 
 use pyo3::prelude::*;
-
+use rollout_core::config::{KeyPath, LoadedConfig};
 use rollout_core::roles::Record;
 
 use super::{PluginError, PluginLoadError, PluginRef};
 use crate::contract::py_to_json;
-use rollout_core::config::{KeyPath, LoadedConfig};
 
 pub struct DataPlugins {
     source: PluginRef,

@@ -2,11 +2,11 @@
 
 use pyo3::prelude::*;
 use pyo3::types::IntoPyDict;
+use rollout_core::config::{KeyPath, LoadedConfig};
+use rollout_core::roles::StepResult;
 
 use super::{PluginError, PluginLoadError, PluginRef};
 use crate::contract::{self, json_to_py};
-use rollout_core::config::{KeyPath, LoadedConfig};
-use rollout_core::roles::StepResult;
 
 /// The configured environment; `prototype` is the instance `rollout check` builds, and every
 /// episode gets a fresh instance of its class with the same `Config`.

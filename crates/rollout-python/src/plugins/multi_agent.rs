@@ -1,11 +1,11 @@
 //! Multi-agent environments: one plugin instance per episode, several agents taking turns.
 
 use pyo3::prelude::*;
+use rollout_core::config::{KeyPath, LoadedConfig};
+use rollout_core::roles::{AgentTurn, JointOutcome};
 
 use super::{Episode, EpisodePlugin, PluginError, PluginLoadError, PluginRef};
 use crate::contract;
-use rollout_core::config::{KeyPath, LoadedConfig};
-use rollout_core::roles::{AgentTurn, JointOutcome};
 
 /// The configured multi-agent environment; every episode gets a fresh instance of its class
 /// with the same `Config`.

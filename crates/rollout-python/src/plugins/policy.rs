@@ -5,6 +5,9 @@ use std::path::Path;
 
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
+use rollout_core::config::{KeyPath, LoadedConfig, PluginConfig};
+use rollout_core::scheduler::{StepOutput, StepPlan};
+use rollout_core::train::SnapshotFiles;
 use rollout_net::messages::{Completion, FinishReason, GenerateRequest, GenerateResponse};
 
 use super::{PluginError, PluginLoadError, PluginRef};
@@ -12,9 +15,6 @@ use crate::contract::{
     self, EngineStep, EngineStepOutput, Generation, GenerationRequest, KvLayout, SamplingParams,
     py_to_json, to_python,
 };
-use rollout_core::config::{KeyPath, LoadedConfig, PluginConfig};
-use rollout_core::scheduler::{StepOutput, StepPlan};
-use rollout_core::train::SnapshotFiles;
 
 pub struct PolicyPlugin {
     pub(super) plugin: PluginRef,

@@ -5,11 +5,11 @@ use std::collections::BTreeMap;
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
+use rollout_core::config::ClusterConfig;
 use rollout_net::{Dtype, TensorBytes};
 
 use super::PluginError;
 use super::policy::PolicyPlugin;
-use rollout_core::config::ClusterConfig;
 
 impl PolicyPlugin {
     /// Joins the trainers' torch.distributed process group (`env://` rendezvous:

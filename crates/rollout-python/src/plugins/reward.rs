@@ -2,11 +2,11 @@
 
 use pyo3::prelude::*;
 use pyo3::types::PyList;
+use rollout_core::config::{KeyPath, LoadedConfig, reward_name};
 use rollout_net::messages::{RewardComponent, ScoreRequest, ScoreResponse};
 
 use super::{PluginError, PluginLoadError, PluginRef};
 use crate::contract::{Sample, to_python};
-use rollout_core::config::{KeyPath, LoadedConfig, reward_name};
 
 struct WeightedReward {
     name: String,

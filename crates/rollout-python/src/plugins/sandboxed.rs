@@ -6,12 +6,12 @@
 use std::sync::Arc;
 
 use pyo3::prelude::*;
-
-use super::{PluginError, PluginFailure, PluginLoadError};
-use crate::interpreter::PythonError;
 use rollout_core::config::{KeyPath, LoadedConfig, Segment, reward_name};
 use rollout_core::sandbox::protocol::{EnvironmentSpec, RewardSpec, table_to_json};
 use rollout_core::sandbox::{EnvironmentPoolSpec, FailureLedger, Launch, PoolSpec, SandboxError};
+
+use super::{PluginError, PluginFailure, PluginLoadError};
+use crate::interpreter::PythonError;
 
 /// `python -m rollout_sdk.sandbox` with this interpreter's executable and `sys.path`.
 pub fn sandbox_launch(py: Python<'_>) -> Result<Launch, PythonError> {

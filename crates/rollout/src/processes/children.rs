@@ -7,10 +7,10 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
+use rollout_core::config::ClusterConfig;
 use tokio::process::{Child, Command};
 
 use super::{ClusterError, SECRET_ENV};
-use rollout_core::config::ClusterConfig;
 
 /// One role process `rollout launch` started, and how to start it again.
 struct Role {

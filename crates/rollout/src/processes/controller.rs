@@ -8,6 +8,12 @@ use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use bytes::Bytes;
+use rollout_core::cluster::ledger::Ledger;
+use rollout_core::cluster::pool::{PoolSettings, RemoteWorkers};
+use rollout_core::cluster::remote::RemoteTrainers;
+use rollout_core::config::{ClusterConfig, LoadedConfig};
+use rollout_core::telemetry::{Observed, RoleKind, Telemetry, WorkerHealth};
+use rollout_core::train::{Controller, PolicyRoles, Roles, Start, Summary, Trainees};
 use rollout_net::ClusterKey;
 use rollout_net::heard::HeardClock;
 use rollout_net::link::{Link, LinkLimits};
@@ -18,12 +24,6 @@ use tokio::sync::mpsc;
 
 use super::ClusterError;
 use crate::session::open_services;
-use rollout_core::cluster::ledger::Ledger;
-use rollout_core::cluster::pool::{PoolSettings, RemoteWorkers};
-use rollout_core::cluster::remote::RemoteTrainers;
-use rollout_core::config::{ClusterConfig, LoadedConfig};
-use rollout_core::telemetry::{Observed, RoleKind, Telemetry, WorkerHealth};
-use rollout_core::train::{Controller, PolicyRoles, Roles, Start, Summary, Trainees};
 
 /// The connection settings of a run's cluster section.
 pub fn link_limits(cluster: &ClusterConfig) -> Result<LinkLimits, ClusterError> {

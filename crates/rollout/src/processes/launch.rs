@@ -4,7 +4,6 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use crate::processes::ClusterError;
 use anyhow::Context;
 use rollout_core::config;
 use rollout_core::roles::RoleError;
@@ -12,6 +11,7 @@ use rollout_core::telemetry;
 use rollout_core::train::{RunError, Start};
 
 use crate::interrupt::watch_ctrl_c;
+use crate::processes::ClusterError;
 use crate::session::format_summary;
 
 /// `rollout launch`: the controller in this process and, unless `external_roles`, every

@@ -1,12 +1,14 @@
-//! A run whose roles are separate processes: the controller (this module's
-//! [`controller`]), generation workers and trainer ranks ([`serve`]), connected by
-//! authenticated `rollout_net` links, with weight versions relayed along the workers
-//! ([`weights`]). [`launch`] starts all of them on one machine.
+//! A run whose roles are separate processes: the controller ([`controller`]), generation
+//! workers ([`worker`]) and trainer ranks ([`trainer`]), which join it alike ([`joining`]),
+//! connected by authenticated `rollout_net` links, with weight versions relayed along the
+//! workers (`rollout_core::cluster::weights`). [`launch`] starts all of them on one machine
+//! ([`children`]).
 
 pub mod children;
 pub mod controller;
+pub mod joining;
 pub mod launch;
-pub mod serve;
+pub mod trainer;
 pub mod worker;
 
 use rollout_net::{AuthError, ClusterKey, NetError};

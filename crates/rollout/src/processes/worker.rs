@@ -10,23 +10,23 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use rollout_core::cluster::weights::{VersionBuffer, WeightStore};
+use rollout_core::roles::{Generator, RoleError, Tokenizer};
 use rollout_net::link::Link;
 use rollout_net::messages::{
     Done, GenerateRequest, MessageKind, SyncWeights, TokenizerRequest, TokenizerResponse,
     WeightsReport,
 };
 use rollout_net::rpc::RpcServer;
+use rollout_python::hosts::PolicyHost;
 use tokio::signal::unix::{Signal, SignalKind, signal};
 use tokio::sync::mpsc;
 use tracing::{Instrument, Span};
 
 use super::ClusterError;
-use super::serve::{
+use super::joining::{
     RoleArgs, WEIGHT_WAIT, advertised, answer, bad_request, hello, load_policy, welcome,
 };
-use rollout_core::cluster::weights::{VersionBuffer, WeightStore};
-use rollout_core::roles::{Generator, RoleError, Tokenizer};
-use rollout_python::hosts::PolicyHost;
 
 /// How long a worker that lost its controller waits before connecting again (a controller
 /// that refuses it at once would otherwise see it back in a tight loop).

@@ -44,16 +44,13 @@ pub(super) async fn step(
         .map(|t| t.response.weight_version)
         .max()
         .unwrap_or(weight_version);
+    let step_seconds = started.elapsed().as_secs_f64();
     let metrics = update::metrics(
         team,
-        super::step_metrics(step, epoch, weight_version, 0.0),
+        super::step_metrics(step, epoch, weight_version, step_seconds),
         &played,
         &trained,
     );
-    let metrics = StepMetrics {
-        step_seconds: started.elapsed().as_secs_f64(),
-        ..metrics
-    };
     let samples = update::sample_lines(team, step, &played, &trained, config.run.log_samples);
     Ok((metrics, samples))
 }

@@ -1,0 +1,195 @@
+//! What the role processes (`rollout trainer`, `rollout worker`) share: finding the
+//! controller, receiving the run's config (`Welcome`), loading the policy, and answering.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use rollout_core::config::{LoadedConfig, load_text};
+use rollout_core::roles::RoleError;
+use rollout_net::link::{Link, LinkLimits};
+use rollout_net::messages::{Done, Hello, Message, MessageKind, Welcome};
+use rollout_net::rpc::{Incoming, Responder, RpcServer};
+use rollout_net::{ClusterKey, NetError};
+use rollout_python::hosts::PolicyHost;
+use tracing::Instrument;
+
+use super::ClusterError;
+
+/// How a role process finds the controller and itself.
+#[derive(Debug, Clone)]
+pub struct RoleArgs {
+    pub connect: String,
+    pub name: String,
+    /// Where this process serves weights to other processes (loopback by default).
+    pub listen: String,
+    pub key: ClusterKey,
+    pub rank: u32,
+    pub world_size: u32,
+    /// How long to keep retrying a controller that refuses connections (not yet started).
+    pub connect_retry: Duration,
+    /// Link settings, TLS included (`--tls`, which must match the controller's
+    /// `[cluster] tls`).
+    pub limits: LinkLimits,
+}
+
+/// The `host:port` other processes reach this process's weight server at: the listening
+/// address, or, when it listens on every interface, the local address of the route to the
+/// controller (found without sending anything).
+pub(super) fn advertised(
+    listener: &tokio::net::TcpListener,
+    controller: &str,
+) -> Result<String, ClusterError> {
+    let local = listener.local_addr().map_err(ClusterError::Io)?;
+    if !local.ip().is_unspecified() {
+        return Ok(local.to_string());
+    }
+    let route = std::net::UdpSocket::bind((local.ip(), 0))
+        .and_then(|socket| {
+            socket.connect(controller)?;
+            socket.local_addr()
+        })
+        .map_err(ClusterError::Io)?;
+    Ok(std::net::SocketAddr::new(route.ip(), local.port()).to_string())
+}
+
+/// How long a weight server waits for a version or bucket it was asked for.
+pub(super) const WEIGHT_WAIT: Duration = Duration::from_secs(600);
+
+pub(super) fn hello(role: &str, args: &RoleArgs, info: serde_json::Value) -> Hello {
+    Hello {
+        role: role.into(),
+        name: args.name.clone(),
+        version: env!("CARGO_PKG_VERSION").into(),
+        credits: 64,
+        info,
+    }
+}
+
+pub(super) fn bad_request(incoming: &Incoming, err: impl std::fmt::Display) -> ClusterError {
+    ClusterError::Protocol(format!("a bad {} request: {err}", incoming.frame.kind))
+}
+
+pub(super) fn answer<M: Message>(responder: &Responder, call: u64, result: Result<M, RoleError>) {
+    let sent = match result {
+        Ok(message) => responder.reply(call, &message, Bytes::new(), false),
+        Err(err) => responder.fail(call, err.to_string()),
+    };
+    if let Err(err) = sent {
+        tracing::debug!("could not answer call {call}: {err}");
+    }
+}
+
+/// Connects to the controller, retrying while nothing listens there yet (roles are often
+/// started before the controller, e.g. by Slurm or Kubernetes). A refused secret is final.
+async fn connect_with_retry(args: &RoleArgs, hello: &Hello) -> Result<Link, ClusterError> {
+    let deadline = tokio::time::Instant::now() + args.connect_retry;
+    let mut pause = Duration::from_millis(100);
+    loop {
+        match Link::connect(&args.connect, &args.key, hello, &args.limits).await {
+            Ok(link) => return Ok(link),
+            Err(NetError::Connect { reason, .. }) if tokio::time::Instant::now() < deadline => {
+                tracing::debug!(
+                    "the controller at {} is not reachable yet: {reason}",
+                    args.connect
+                );
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(2));
+            }
+            Err(err) => return Err(err.into()),
+        }
+    }
+}
+
+/// A connection to the controller that has received the run's config (`Welcome`) and has
+/// yet to answer it.
+pub(super) struct Welcomed {
+    pub server: RpcServer,
+    pub call: u64,
+    pub config_toml: String,
+    pub loaded: LoadedConfig,
+}
+
+impl Welcomed {
+    /// Answers the welcome: loaded and ready, or why not.
+    pub fn answer(&self, loaded: Result<(), &ClusterError>) {
+        let answered = match loaded {
+            Ok(()) => Ok(Done {}),
+            Err(err) => Err(RoleError::Runtime(err.to_string())),
+        };
+        answer(&self.server.responder, self.call, answered);
+    }
+}
+
+/// Connects (retrying while nothing listens) and waits for the controller's `Welcome`.
+pub(super) async fn welcome(
+    role: &str,
+    args: &RoleArgs,
+    info: serde_json::Value,
+) -> Result<Welcomed, ClusterError> {
+    let link = connect_with_retry(args, &hello(role, args, info)).await?;
+    tracing::info!(
+        "{role} `{}` connected to the controller at {}",
+        args.name,
+        args.connect
+    );
+    let mut server = link.server();
+    let incoming = server
+        .requests
+        .recv()
+        .await
+        .ok_or_else(|| ClusterError::ControllerLost(server.closed_reason()))?;
+    if incoming.frame.kind == MessageKind::Shutdown {
+        answer(&server.responder, incoming.call, Ok(Done {}));
+        return Err(ClusterError::RunOver);
+    }
+    let welcome: Welcome = incoming
+        .decode()
+        .map_err(|err| bad_request(&incoming, err))?;
+    let path = Path::new("<config from the controller>");
+    match load_text(path, welcome.config_toml.clone(), &[]) {
+        Ok(loaded) => Ok(Welcomed {
+            server,
+            call: incoming.call,
+            config_toml: welcome.config_toml,
+            loaded,
+        }),
+        Err(err) => {
+            let _ = server.responder.fail(incoming.call, err.to_string());
+            Err(err.into())
+        }
+    }
+}
+
+/// Connects, waits for the controller's `Welcome` and loads the policy from its config.
+pub(super) async fn join(
+    role: &str,
+    args: &RoleArgs,
+    info: serde_json::Value,
+) -> Result<(RpcServer, LoadedConfig, Arc<PolicyHost>), ClusterError> {
+    let welcomed = welcome(role, args, info).await?;
+    match load_policy(&welcomed.loaded).await {
+        Ok(host) => {
+            welcomed.answer(Ok(()));
+            Ok((welcomed.server, welcomed.loaded, Arc::new(host)))
+        }
+        Err(err) => {
+            welcomed.answer(Err(&err));
+            Err(err)
+        }
+    }
+}
+
+pub(super) async fn load_policy(loaded: &LoadedConfig) -> Result<PolicyHost, ClusterError> {
+    let worker = rollout_python::interpreter::start(&loaded.config.python).await?;
+    Ok(PolicyHost::load(worker, loaded)
+        .instrument(tracing::info_span!("policy.load"))
+        .await?)
+}
+
+impl From<NetError> for ClusterError {
+    fn from(err: NetError) -> Self {
+        ClusterError::Net(err)
+    }
+}

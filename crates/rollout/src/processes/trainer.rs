@@ -1,0 +1,188 @@
+//! `rollout trainer`: one data-parallel rank, answering the controller's training,
+//! checkpoint and weight requests in order until it is shut down.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use rollout_core::cluster::weights::{VersionBuffer, WeightStore};
+use rollout_core::roles::{Learner, RoleError, SaveWritten};
+use rollout_net::messages::{
+    CheckpointRequest, Done, MessageKind, PublishWeights, TrainRequest, ValuesRequest,
+    WeightsReport,
+};
+use rollout_net::rpc::Responder;
+use rollout_python::hosts::PolicyHost;
+use tracing::Instrument;
+
+use super::ClusterError;
+use super::joining::{RoleArgs, WEIGHT_WAIT, advertised, answer, bad_request, hello, join};
+
+/// `rollout trainer`: one data-parallel rank, answering in order until shut down.
+pub async fn run_trainer(args: RoleArgs) -> Result<(), ClusterError> {
+    let listener = if args.rank == 0 {
+        Some(rollout_net::link::listen(&args.listen).await?)
+    } else {
+        None
+    };
+    let weights_address = match &listener {
+        Some(listener) => advertised(listener, &args.connect)?,
+        None => String::new(),
+    };
+    let info = serde_json::json!({
+        "rank": args.rank,
+        "world_size": args.world_size,
+        "weights_address": weights_address,
+    });
+    let (mut server, loaded, host) = join("trainer", &args, info.clone()).await?;
+    let cluster = &loaded.config.cluster;
+    if args.world_size > 1 {
+        host.join_data_parallel(args.rank, args.world_size, cluster.clone())
+            .await?;
+        tracing::info!(
+            "trainer rank {} of {} joined the process group",
+            args.rank,
+            args.world_size
+        );
+    }
+    let store = WeightStore::default();
+    if let Some(listener) = listener {
+        store.serve(
+            listener,
+            args.key.clone(),
+            hello("trainer", &args, info),
+            args.limits.clone(),
+            WEIGHT_WAIT,
+        );
+    }
+    let mut writes = HashMap::new();
+    loop {
+        let Some(incoming) = server.requests.recv().await else {
+            return Err(ClusterError::ControllerLost(server.closed_reason()));
+        };
+        let call = incoming.call;
+        let responder = &server.responder;
+        match incoming.frame.kind {
+            // Each request in a span of its own (`--trace`), decoding included.
+            MessageKind::TrainRequest => {
+                let span = tracing::info_span!("rpc.train");
+                let request: TrainRequest = span
+                    .in_scope(|| incoming.decode())
+                    .map_err(|err| bad_request(&incoming, err))?;
+                answer(responder, call, host.train(request).instrument(span).await);
+            }
+            MessageKind::ValuesRequest => {
+                let span = tracing::info_span!("rpc.values");
+                let request: ValuesRequest = span
+                    .in_scope(|| incoming.decode())
+                    .map_err(|err| bad_request(&incoming, err))?;
+                answer(responder, call, host.values(request).instrument(span).await);
+            }
+            MessageKind::CheckpointRequest => {
+                let request: CheckpointRequest = incoming
+                    .decode()
+                    .map_err(|err| bad_request(&incoming, err))?;
+                let span =
+                    tracing::info_span!("rpc.checkpoint", request = checkpoint_kind(&request));
+                checkpoint(&host, &mut writes, request, responder, call)
+                    .instrument(span)
+                    .await;
+            }
+            MessageKind::PublishWeights => {
+                let request: PublishWeights = incoming
+                    .decode()
+                    .map_err(|err| bad_request(&incoming, err))?;
+                let published = publish(&host, &store, request, &weights_address, &args.name)
+                    .instrument(tracing::info_span!("rpc.publish_weights"))
+                    .await;
+                answer(responder, call, published);
+            }
+            MessageKind::Shutdown => {
+                answer(
+                    responder,
+                    call,
+                    host.leave_data_parallel().await.map(|()| Done {}),
+                );
+                return Ok(());
+            }
+            other => {
+                let _ = responder.fail(call, format!("a trainer does not serve {other}"));
+            }
+        }
+    }
+}
+
+fn checkpoint_kind(request: &CheckpointRequest) -> &'static str {
+    match request {
+        CheckpointRequest::Save { .. } => "save",
+        CheckpointRequest::SaveInBackground { .. } => "save_in_background",
+        CheckpointRequest::Written { .. } => "written",
+        CheckpointRequest::Restore { .. } => "restore",
+    }
+}
+
+/// Serves a checkpoint request. A background save's writer is kept in `writes` until the
+/// controller asks whether it finished; that answer waits on its own task, so training
+/// requests are served meanwhile.
+async fn checkpoint(
+    host: &PolicyHost,
+    writes: &mut HashMap<String, SaveWritten>,
+    request: CheckpointRequest,
+    responder: &Responder,
+    call: u64,
+) {
+    let done = match request {
+        CheckpointRequest::Save { directory } => host.save(directory.into()).await,
+        CheckpointRequest::Restore {
+            directory,
+            weight_version,
+        } => host.restore(directory.into(), weight_version).await,
+        CheckpointRequest::SaveInBackground { directory } => {
+            match host.save_in_background(directory.clone().into()).await {
+                Ok(written) => {
+                    writes.insert(directory, written);
+                    Ok(())
+                }
+                Err(err) => Err(err),
+            }
+        }
+        CheckpointRequest::Written { directory } => {
+            let Some(written) = writes.remove(&directory) else {
+                let _ = responder.fail(
+                    call,
+                    format!("no checkpoint is being written to {directory}"),
+                );
+                return;
+            };
+            let responder = responder.clone();
+            let waiting = async move { answer(&responder, call, written.await.map(|()| Done {})) };
+            tokio::spawn(waiting.in_current_span());
+            return;
+        }
+    };
+    answer(responder, call, done.map(|()| Done {}));
+}
+
+/// Snapshots the weights: rank 0 keeps the buckets to serve; every rank reports the
+/// checksum so the controller can check that the ranks agree.
+async fn publish(
+    host: &PolicyHost,
+    store: &WeightStore,
+    request: PublishWeights,
+    weights_address: &str,
+    name: &str,
+) -> Result<WeightsReport, RoleError> {
+    let (version, tensors) = host.export_weights().await?;
+    let buffer = VersionBuffer::from_tensors(version, &tensors, request.bucket_bytes)
+        .map_err(|err| RoleError::Protocol(err.to_string()))?;
+    let (bytes, checksum) = (buffer.bytes(), buffer.checksum());
+    if !weights_address.is_empty() {
+        store.publish(Arc::new(buffer));
+    }
+    Ok(WeightsReport {
+        version,
+        checksum,
+        bytes,
+        source: weights_address.to_owned(),
+        holder: name.to_owned(),
+    })
+}
