@@ -368,7 +368,7 @@ fn a_multi_agent_run_gets_a_line_per_agent() {
 }
 
 #[test]
-fn every_chart_reads_a_field_of_the_metrics_schema_or_a_policy_measurement() {
+fn every_chart_and_figure_reads_a_field_of_the_metrics_schema_or_a_policy_measurement() {
     let fields: Vec<&str> = rollout_core::metrics::StepMetrics::FIELDS
         .iter()
         .map(|field| field.name)
@@ -380,7 +380,15 @@ fn every_chart_reads_a_field_of_the_metrics_schema_or_a_policy_measurement() {
         .map(|definition| definition.metric)
         .chain(agents::AGENT_CHARTS.iter().map(|(metric, ..)| *metric))
         .chain(phases::PHASES.iter().filter_map(|phase| phase.key))
-        .chain(["step_seconds"]);
+        // What the summary table (and `rollout sweep`'s) reads.
+        .chain([
+            "step_seconds",
+            "elapsed_seconds",
+            "completions",
+            "generated_tokens",
+            "samples_per_second",
+            "tokens_per_second",
+        ]);
     for metric in charted {
         assert!(
             fields.contains(&metric) || measured.contains(&metric),

@@ -28,8 +28,9 @@ use tracing_subscriber::Layer;
 use tracing_subscriber::filter::{FilterFn, filter_fn};
 use tracing_subscriber::registry::LookupSpan;
 
-/// The target of the one event the trace records besides spans: the clock anchor.
-const TARGET: &str = "rollout::trace";
+/// The target of the one event the trace records besides spans: the clock anchor. Not a
+/// module path, so that no log line of this module is taken for it (and hidden from the log).
+const TARGET: &str = "rollout.trace.anchor";
 /// The anchor's name: it maps the layer's clock onto the Unix epoch and names the process.
 const CLOCK: &str = "rollout.trace.clock";
 /// How often the spans written so far reach the file.
