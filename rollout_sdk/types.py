@@ -134,6 +134,7 @@ class SftObjective:
 
 Objective = GrpoObjective | GspoObjective | PpoObjective | DpoObjective | SftObjective
 
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainBatch:
     """One training micro-batch.
