@@ -1,11 +1,14 @@
 """A code-execution reward: run the completion's Python against the record's tests.
 
-Each completion runs in a fresh, bare interpreter (``python -I -S``, standard library only) in
-a temporary directory, with limits on CPU time, memory (``RLIMIT_AS``), file size, open files
-and processes (none may be started), a wall-clock timeout, no network, and, as root, as user
-``nobody``. See ``python_plugins/code_harness.py`` for what runs inside and ``docs/reliability.md``
-for what is enforced by whom. Use it with ``[sandbox] processes > 0`` so that even a failure of
-the reward itself costs only its sample.
+The completion's code never decides its own score. Each test is an ``assert`` split in two
+(``python_plugins/code_checks.py``): the expressions to evaluate (``add(1, 2)``), sent to the
+code's sandbox, and the expected values with the comparison, kept here. The code runs in a
+fresh, bare interpreter (``python -I -S``, standard library only) under the OS sandbox of
+``rollout_sdk.isolation`` (bubblewrap by default: no network, no view of this machine's files
+or processes, an empty work directory), with limits on CPU time, memory, file size, open files
+and processes, and a wall-clock timeout; the harness (``python_plugins/code_harness.py``) only
+reports the expressions' values as plain data, which are compared here. See
+``docs/security.md``.
 """
 
 from __future__ import annotations
@@ -14,42 +17,27 @@ import dataclasses
 import json
 import os
 import re
-import secrets
-import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
+from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+from python_plugins.code_checks import Check, UnverifiableTest, decode, parse_test
 from rollout_sdk import Reward, Sample
+from rollout_sdk.isolation import Isolation, IsolationError, find_sandbox, interpreter
 
-__all__ = ["PythonTests", "extract_code"]
+__all__ = ["HarnessFailure", "PythonTests", "extract_code"]
 
 HARNESS = Path(__file__).with_name("code_harness.py")
 FENCED = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
-DEFAULT_PRELOAD = [
-    "array",
-    "bisect",
-    "collections",
-    "copy",
-    "dataclasses",
-    "decimal",
-    "enum",
-    "fractions",
-    "functools",
-    "heapq",
-    "itertools",
-    "math",
-    "operator",
-    "random",
-    "re",
-    "statistics",
-    "string",
-    "typing",
-]
+
+
+class HarnessFailure(RuntimeError):
+    """The sandboxed harness did not start: the sample fails, it does not score 0."""
 
 
 def extract_code(completion: str) -> str:
@@ -59,9 +47,11 @@ def extract_code(completion: str) -> str:
 
 
 class PythonTests(Reward):
-    """The fraction of ``record[tests_key]`` (Python statements, e.g. ``assert f(2) == 4``)
+    """The fraction of ``record[tests_key]`` (``assert`` statements, e.g. ``assert f(2) == 4``)
     that pass after the completion's code ran. Code that does not run, runs out of time or
-    memory, or tries what the harness forbids, passes nothing."""
+    memory, or crashes passes what it passed before."""
+
+    score_range: ClassVar[tuple[float, float]] = (0.0, 1.0)
 
     @dataclasses.dataclass(kw_only=True, slots=True)
     class Config:
@@ -70,74 +60,78 @@ class PythonTests(Reward):
         timeout_seconds: float = 5.0
         cpu_seconds: int = 2
         memory_mb: int = 512
+        # The most bytes the program may write to a file, its report included.
         max_file_bytes: int = 1 << 20
-        # Run in a new network namespace (`unshare -n`, as root) when possible; sockets are
-        # refused by the harness either way.
-        isolate_network: bool = True
-        # Standard-library modules imported before the code runs (it may not be able to
-        # read the interpreter's library once it runs as `nobody`).
-        preload: list[str] = dataclasses.field(default_factory=lambda: list(DEFAULT_PRELOAD))
+        # "bubblewrap" (an OS sandbox; the run refuses to start without one) or
+        # "rlimits-only" (an explicit opt-out: resource limits only, no isolation).
+        isolation: Isolation = "bubblewrap"
 
         def __post_init__(self) -> None:
             if self.timeout_seconds <= 0 or self.cpu_seconds < 1 or self.memory_mb < 64:
                 raise ValueError("timeout_seconds must be > 0, cpu_seconds >= 1 and memory_mb >= 64")
+            if self.isolation not in ("bubblewrap", "rlimits-only"):
+                raise ValueError("isolation must be 'bubblewrap' or 'rlimits-only'")
 
     def __init__(self, config: PythonTests.Config) -> None:
         super().__init__(config)
+        try:
+            self.sandbox = find_sandbox(config.isolation)
+        except IsolationError as err:
+            raise IsolationError(f"PythonTests runs completions only in a sandbox: {err}") from None
+        print(f"PythonTests: completions run under {self.sandbox.describe()}", file=sys.stderr)
         self.harness = HARNESS.read_text()
-        unshare = shutil.which("unshare")
-        self.prefix = [unshare, "-n"] if config.isolate_network and unshare and os.geteuid() == 0 else []
 
     def score(self, samples: Sequence[Sample]) -> list[float]:
         return [self._score(sample) for sample in samples]
 
     def _score(self, sample: Sample) -> float:
-        key = self.config.tests_key
-        tests = sample.record.get(key)
-        if isinstance(tests, str):
-            tests = [tests]
-        if not isinstance(tests, list) or not tests or not all(isinstance(t, str) for t in tests):
-            raise KeyError(f"PythonTests: the record's `{key}` must be a non-empty list of test strings")
-        result = self.run(extract_code(sample.completion), tests)
-        return result["passed"] / len(tests) if result else 0.0
+        checks = _checks(self.config.tests_key, sample.record.get(self.config.tests_key))
+        probes = [probe for check in checks for probe in check.probes]
+        values = self.run(extract_code(sample.completion), probes)
+        passed, start = 0, 0
+        for check in checks:
+            end = start + len(check.probes)
+            mine = values[start:end]
+            start = end
+            if len(mine) == len(check.probes) and all(v is not _FAILED for v in mine):
+                try:
+                    passed += check.passed(mine)
+                except Exception:  # comparing values the code returned: only its test fails
+                    continue
+        return passed / len(checks)
 
-    def run(self, code: str, tests: list[str]) -> dict[str, int] | None:
-        """``{"passed", "total"}``, or None when the program did not report (killed, timed out)."""
+    def run(self, code: str, probes: list[str]) -> list[Any]:
+        """Each probe's value, or ``_FAILED`` where it raised, returned something that is not
+        plain data, or never ran (the code exited or was killed before it)."""
         config = self.config
-        nonce = secrets.token_hex(16)
+        payload = {
+            "code": code,
+            "probes": probes,
+            "limits": {
+                "memory_mb": config.memory_mb,
+                "cpu_seconds": config.cpu_seconds,
+                "max_file_bytes": config.max_file_bytes,
+            },
+        }
         with tempfile.TemporaryDirectory(prefix="rollout-code-") as root:
-            os.chmod(root, 0o711)  # `nobody` may enter it to reach its work directory
+            os.chmod(root, 0o711)  # the sandbox may run as `nobody`: it must reach its directory
             workdir = Path(root, "work")
             workdir.mkdir()
-            payload = {
-                "code": code,
-                "tests": tests,
-                "workdir": str(workdir),
-                "nonce": nonce,
-                "preload": config.preload,
-                "limits": {
-                    "memory_mb": config.memory_mb,
-                    "cpu_seconds": config.cpu_seconds,
-                    "max_file_bytes": config.max_file_bytes,
-                },
-            }
-            output = Path(root, "output")
-            with output.open("w+b") as out:
-                self._execute(json.dumps(payload).encode(), out)
+            report, errors = Path(root, "report"), Path(root, "errors")
+            with report.open("w+b") as out, errors.open("w+b") as err:
+                self._execute(json.dumps(payload).encode(), workdir, out, err)
                 out.seek(0)
-                text = out.read(config.max_file_bytes).decode("utf-8", "replace")
-        return _parse_result(text, nonce)
+                lines = out.read(config.max_file_bytes).decode("utf-8", "replace").splitlines()
+                if not lines or lines[0] != "started":
+                    err.seek(0)
+                    why = err.read(2000).decode("utf-8", "replace").strip() or "no report"
+                    raise HarnessFailure(f"the sandboxed harness did not start: {why}")
+        values = [_value(line) for line in lines[1 : 1 + len(probes)]]
+        return values + [_FAILED] * (len(probes) - len(values))
 
-    def _execute(self, payload: bytes, out: Any) -> None:
-        command = [*self.prefix, sys.executable, "-I", "-S", "-c", self.harness]
-        proc = subprocess.Popen(
-            command,
-            stdin=subprocess.PIPE,
-            stdout=out,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-            env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LC_ALL": "C.UTF-8"},
-        )
+    def _execute(self, payload: bytes, workdir: Path, out: Any, err: Any) -> None:
+        argv = [interpreter(), "-I", "-S", "-c", self.harness]
+        proc = self.sandbox.popen(argv, workdir, stdin=subprocess.PIPE, stdout=out, stderr=err)
         try:
             proc.communicate(payload, timeout=self.config.timeout_seconds)
         except subprocess.TimeoutExpired:
@@ -146,19 +140,44 @@ class PythonTests(Reward):
             _kill_group(proc)
 
 
+_FAILED = object()
+
+
+def _value(line: str) -> Any:
+    try:
+        status, data = json.loads(line)
+        return decode(data) if status == "ok" else _FAILED
+    except (ValueError, TypeError, KeyError, IndexError, RecursionError, OverflowError):
+        return _FAILED
+
+
+@lru_cache(maxsize=4096)
+def _parse(test: str) -> Check:
+    return parse_test(test)
+
+
+def _checks(key: str, tests: Any) -> list[Check]:
+    if isinstance(tests, str):
+        tests = [tests]
+    if not isinstance(tests, list) or not tests or not all(isinstance(t, str) for t in tests):
+        raise KeyError(f"PythonTests: the record's `{key}` must be a non-empty list of test strings")
+    checks = []
+    for index, test in enumerate(tests):
+        try:
+            checks.append(_parse(test))
+        except UnverifiableTest as err:
+            raise UnverifiableTest(
+                f"PythonTests: test {index} ({test!r:.120}) {err}; write each test as one `assert` "
+                "comparing expressions with literals (e.g. `assert f(2) == 4`), or asserting one "
+                "expression true or false, so its verdict is computed outside the sandbox"
+            ) from None
+    return checks
+
+
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """Kill the program and anything it left in its session, and reap it."""
+    """Kill the program (bubblewrap takes the sandbox with it) and reap it."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
     proc.wait()
-
-
-def _parse_result(text: str, nonce: str) -> dict[str, int] | None:
-    marker = f"RESULT {nonce} "
-    for line in text.splitlines():
-        if line.startswith(marker):
-            result = json.loads(line[len(marker) :])
-            return {"passed": int(result["passed"]), "total": int(result["total"])}
-    return None

@@ -82,12 +82,23 @@ def check_memory_options(config: Any) -> None:
         )
 
 
+def require_safetensors(path: str) -> None:
+    """Refuse a model directory without safetensors weights: pickled ones (``pytorch_model.bin``)
+    can run code when loaded, and are never loaded."""
+    if not any(Path(path).glob("*.safetensors")):
+        raise ValueError(
+            f"the model at `{path}` has no safetensors weights; pickled ones (pytorch_model.bin) are "
+            "never loaded: convert them once with transformers' `save_pretrained`"
+        )
+
+
 def load_model(
     path: str, *, dtype: torch.dtype, device: torch.device, quantization: str = "none"
 ) -> PreTrainedModel:
     """Load a causal LM onto ``device``, its linear layers in 8 or 4 bits if ``quantization`` says."""
+    require_safetensors(path)
     if quantization == "none":
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True).to(device)
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; expected one of {', '.join(QUANTIZATIONS)}")
     _import_bitsandbytes()
@@ -106,7 +117,11 @@ def load_model(
         device = torch.device("cuda", torch.cuda.current_device())
     # Quantized weights cannot be moved with `.to`: they are quantized as they land on the device.
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, quantization_config=quantization_config, device_map={"": str(device)}
+        path,
+        dtype=dtype,
+        quantization_config=quantization_config,
+        device_map={"": str(device)},
+        use_safetensors=True,
     )
     for module in model.modules():
         # bitsandbytes repacks 4-bit weights for its AVX512-BF16 CPU kernel at the first forward

@@ -40,6 +40,7 @@ from transformers import (
 )
 from transformers.utils import logging as transformers_logging
 
+from python_plugins.model_setup import require_safetensors
 from python_plugins.quickstart import DEFAULT_ALPHABET, addition_records, create_char_tokenizer
 from rollout_sdk import ConfigError, Reward, Sample
 
@@ -148,11 +149,7 @@ def _check_pad_token(tokenizer: PreTrainedTokenizerBase, batch_size: int, path: 
 def _load_model(loader: Any, path: str, device: torch.device, dtype: torch.dtype) -> PreTrainedModel:
     """``loader.from_pretrained`` in eval mode without gradients; a head it had to create is an error."""
     transformers_logging.disable_progress_bar()
-    if not any(Path(path).glob("*.safetensors")):
-        raise ValueError(
-            f"the model at `{path}` has no safetensors weights; pickled ones (pytorch_model.bin) are "
-            "never loaded: convert them once with transformers' `save_pretrained`"
-        )
+    require_safetensors(path)
     model, info = loader.from_pretrained(path, dtype=dtype, use_safetensors=True, output_loading_info=True)
     missing = sorted(info.get("missing_keys") or [])
     if missing:

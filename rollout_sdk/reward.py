@@ -2,19 +2,37 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import ClassVar
 
 from rollout_sdk.plugin import Plugin
 from rollout_sdk.types import Sample
 
-__all__ = ["Reward"]
+__all__ = ["Reward", "check_score_range"]
 
 
 class Reward(Plugin):
     """Scores a batch of samples; must return exactly one finite float per sample.
 
-    Several rewards combine by the weights given in the run config.
+    Several rewards combine by the weights given in the run config. ``score_range`` declares the
+    scores a reward gives: the engine clamps every score into it, so that no sample, however
+    its completion tricks the reward, counts for more than the reward's best (a reward that
+    can be gamed to 1e6 would otherwise outweigh a whole step).
     """
+
+    score_range: ClassVar[tuple[float, float]] = (-math.inf, math.inf)
 
     def score(self, samples: Sequence[Sample]) -> Sequence[float]:
         raise NotImplementedError
+
+
+def check_score_range(reward: Reward) -> tuple[float, float]:
+    """The reward's ``score_range``, checked: two floats, low <= high, neither NaN."""
+    try:
+        low, high = (float(bound) for bound in reward.score_range)
+    except (TypeError, ValueError) as err:
+        raise TypeError(f"{type(reward).__name__}.score_range must be (low, high): {err}") from None
+    if math.isnan(low) or math.isnan(high) or low > high:
+        raise ValueError(f"{type(reward).__name__}.score_range {reward.score_range!r} is not a range")
+    return low, high

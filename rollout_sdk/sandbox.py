@@ -54,7 +54,7 @@ from typing import IO, Any
 from rollout_sdk.config import ConfigError
 from rollout_sdk.environment import Environment
 from rollout_sdk.plugin import load_plugin
-from rollout_sdk.reward import Reward
+from rollout_sdk.reward import Reward, check_score_range
 from rollout_sdk.types import Sample
 
 __all__ = ["Worker", "launch_spec", "main"]
@@ -83,6 +83,7 @@ class Worker:
 
     def __init__(self) -> None:
         self.rewards: list[Reward] = []
+        self.ranges: list[tuple[float, float]] = []
         self.environment: Environment | None = None
         self.episodes: dict[int, Environment] = {}
         self.cpu_seconds = 0
@@ -117,7 +118,9 @@ class Worker:
             _seed_globals(int(request["seed"]))
         for index, reward in enumerate(request["rewards"]):
             try:
-                self.rewards.append(load_plugin(reward["plugin"], reward.get("options") or {}, Reward))
+                loaded = load_plugin(reward["plugin"], reward.get("options") or {}, Reward)
+                self.ranges.append(check_score_range(loaded))
+                self.rewards.append(loaded)
             except ConfigError as err:
                 return _load_failed(index, list(err.key), err.reason)
             except BaseException as err:
@@ -147,7 +150,8 @@ class Worker:
             score = _single_finite(result)
             if isinstance(score, str):
                 return _failed(call_id, index, "invalid", score)
-            scores.append(score)
+            low, high = self.ranges[index]
+            scores.append(min(max(score, low), high))
         return {"op": "scored", "id": call_id, "scores": scores}
 
     def reset(self, call_id: int, episode: int, record: Mapping[str, Any], seed: int) -> dict[str, Any]:

@@ -8,7 +8,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${ROLLOUT_VENV:-$ROOT/.venv}"
 BASE_PYTHON="${PYTHON_FOR_VENV:-python3}"
 
-say() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
+say() { printf '\033[1m==> %s  (%s)\033[0m\n' "$*" "$(date +%T)" >&2; }
 fail() { printf 'setup: %s\n' "$*" >&2; exit 1; }
 
 command -v cargo >/dev/null || fail "cargo is not installed; install Rust with rustup (https://rustup.rs)"

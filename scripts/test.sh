@@ -7,13 +7,17 @@ source "$ROOT/scripts/setup.sh"
 cd "$ROOT"
 export PYO3_PYTHON="$PYTHON"
 
-# The report test screenshots the page in headless Chromium; it is skipped where Chromium
-# is missing and cannot be installed (not root, no apt).
-if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  say "installing chromium for the report screenshot test"
-  apt-get install -y --no-install-recommends chromium >/dev/null 2>&1 \
-    || { apt-get update >/dev/null 2>&1 && apt-get install -y --no-install-recommends chromium >/dev/null 2>&1; } \
-    || echo "could not install chromium: the report screenshot test will be skipped" >&2
+# Packages some tests need, installed where we are root with apt: bubblewrap (the code
+# reward's sandbox: without it the reward refuses to load and its tests fail) and chromium
+# (the report test screenshots the page; skipped without it).
+missing=()
+command -v bwrap >/dev/null || missing+=(bubblewrap)
+command -v chromium >/dev/null || missing+=(chromium)
+if [ "${#missing[@]}" -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  say "installing ${missing[*]} for the sandbox and report tests"
+  apt-get install -y --no-install-recommends "${missing[@]}" >/dev/null 2>&1 \
+    || { apt-get update >/dev/null 2>&1 && apt-get install -y --no-install-recommends "${missing[@]}" >/dev/null 2>&1; } \
+    || echo "could not install ${missing[*]}: the tests that need them will fail or skip" >&2
 fi
 
 say "formatting and lints"

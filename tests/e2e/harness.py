@@ -46,6 +46,7 @@ POOL_METRICS = (
     "leases",
     "leases_revoked",
     "answers_rejected",
+    "answers_malformed",
     "groups_dropped",
 )
 

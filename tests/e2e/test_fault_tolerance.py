@@ -102,6 +102,7 @@ def test_a_worker_started_mid_run_pulls_the_weights_and_gets_work(tmp_path: Path
     port = free_port()
     secret = tmp_path / "secret"
     secret.write_text("a cluster secret for this test only")
+    secret.chmod(0o600)
     config = fault_config(tmp_path, artifacts, 1, listen=f"127.0.0.1:{port}", secret_file=secret)
     process, log = start("launch", config)
     late = None

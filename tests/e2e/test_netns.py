@@ -425,7 +425,7 @@ def assert_on_their_nodes(run: Run, net: Network) -> None:
     assert os.stat("/proc/self/ns/net").st_ino not in expected.values()
     for worker in run.workers:
         assert re.search(
-            rf"connected to the controller at {re.escape(net.ctl.address)}:\d+", worker.stderr
+            rf"connected to the controller at {re.escape(net.ctl.address)}:\d+ \(TLS 1\.3\)", worker.stderr
         ), worker.stderr
     assert "trainer rank 1 of 2 joined the process group" in "".join(t.stderr for t in run.trainers)
 
@@ -494,3 +494,33 @@ def test_a_worker_whose_connection_resets_connects_again_and_the_run_completes(
     found = audit(run.output)
     assert found["groups_lost"] == 0 and found["groups_duplicated"] == 0, found
     assert found["groups_trained"] == steps * PROMPTS_PER_STEP, found
+
+
+@pytest.mark.slow
+def test_links_between_nodes_are_encrypted_and_an_altered_byte_breaks_only_that_link(
+    net: Network, tmp_path: Path, artifacts: Path
+) -> None:
+    # No TLS setting anywhere: links between the namespaces are encrypted by default. The
+    # proxy flips one byte of gen-0's first connection once 40 kB went through it, well
+    # after the handshake: the receiving side's TLS layer refuses the record, the link
+    # fails, gen-0 connects again and the run completes.
+    steps = 60
+    proxy = start_proxy(net, "--corrupt-after-bytes", "40000", "--faulty-connections", "1")
+    run = run_cluster(net, tmp_path, artifacts, steps=steps, proxy=proxy, proxied_workers=(0,))
+    assert proxy.stderr.count("flipping byte") == 1, proxy.stderr
+    controller = run.controller
+    assert controller.process.returncode == 0, net.report()
+    assert f"done: {steps} steps" in controller.stdout
+    assert "links with other machines are encrypted" in controller.stderr, controller.stderr[-4000:]
+    logs = controller.stderr + run.workers[0].stderr
+    assert re.search(r"decrypt", logs, re.IGNORECASE), logs[-6000:]
+    assert "gen-0 left the generation pool" in controller.stderr, controller.stderr[-4000:]
+    assert "gen-0 joined the run's generation workers" in controller.stderr, controller.stderr[-4000:]
+    lines = run.metrics()
+    assert [line["step"] for line in lines] == list(range(1, steps + 1))
+    assert sum(line["workers_lost"] for line in lines) == 1
+    for role in run.roles[1:]:
+        assert role.process.returncode == 0, f"{role.label} exited {role.process.returncode}\n{net.report()}"
+    assert_no_panic(net)
+    found = audit(run.output)
+    assert found["groups_lost"] == 0 and found["groups_duplicated"] == 0, found

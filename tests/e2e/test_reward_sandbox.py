@@ -81,3 +81,14 @@ def test_too_many_failures_end_the_run_with_the_fraction_and_the_limit(tmp_path:
     assert "rewards failed on 12 of 12 samples in this step (100.0%)" in result.stderr
     assert "sandbox.max_failed_fraction_per_step = 0.5" in result.stderr
     assert "reward exploded on purpose" in result.stderr
+
+
+@pytest.mark.parametrize("processes", [0, 2])
+def test_scores_are_clamped_to_the_rewards_declared_range(tmp_path: Path, processes: int) -> None:
+    """`Bounded` declares [0, 1] but scores 1000 and more: in the
+    interpreter and in the sandbox pool alike, every score counts as 1."""
+    config = reward_config(tmp_path, reward="sandbox_plugins:Bounded", sandbox={"processes": processes})
+    run(config)
+    metrics = read_jsonl(tmp_path / "out" / "metrics.jsonl")
+    assert len(metrics) == STEPS
+    assert all(line["reward/bounded"] == 1.0 and line["reward_mean"] == 1.0 for line in metrics)

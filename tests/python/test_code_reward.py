@@ -1,6 +1,7 @@
-"""The code-execution reward against honest and hostile completions.
+"""The code-execution reward against honest completions and code that attacks the machine.
 
-Every hostile completion must score 0, quickly, and leave this process unharmed.
+Every completion that attacks the machine must score 0, quickly, and leave this process
+unharmed; completions that attack the score itself are in ``test_hostile_completions.py``.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from python_plugins.code_reward import DEFAULT_PRELOAD, PythonTests, extract_code
+from python_plugins.code_checks import UnverifiableTest
+from python_plugins.code_reward import HarnessFailure, PythonTests, extract_code
 from rollout_sdk import ConfigError, Sample, load_plugin
+from rollout_sdk.isolation import IsolationError, Sandbox
 
 TESTS = ["assert add(1, 2) == 3", "assert add(1, 1) == 2", "assert add(0, 3) == 3"]
 GOOD = "def add(a, b):\n    return a + b\n"
@@ -24,9 +27,7 @@ BOUND = TIMEOUT + 3.0
 
 @pytest.fixture(scope="module")
 def reward() -> PythonTests:
-    # `socket` and `subprocess` are importable, so only the harness and the OS limits stop them.
-    options = {"timeout_seconds": TIMEOUT, "preload": [*DEFAULT_PRELOAD, "socket", "subprocess"]}
-    return load_plugin("python_plugins.code_reward:PythonTests", options, PythonTests)
+    return load_plugin("python_plugins.code_reward:PythonTests", {"timeout_seconds": TIMEOUT}, PythonTests)
 
 
 def score(reward: PythonTests, completion: str, tests: list[str] = TESTS) -> tuple[float, float]:
@@ -68,13 +69,15 @@ HOSTILE = {
     "huge allocation": "hog = bytearray(1 << 40)\n" + GOOD,
     "growing allocation": "hog = []\nwhile True:\n    hog.append(bytearray(1 << 24))\n" + GOOD,
     "read /etc/passwd": uses("assert 'root' in open('/etc/passwd').read()"),
-    "list the root": "import os\n" + uses("assert os.listdir('/')"),
+    "read /etc/shadow": uses("assert open('/etc/shadow').read()"),
+    "see the host's root": "import os\n" + uses("assert 'home' in os.listdir('/')"),
     "subprocess": "import os\n" + uses("assert os.system('true') == 0"),
     "ctypes": GOOD + "import ctypes\nctypes.string_at(0)\n",
     "exit early": "import os\nos._exit(0)\n" + GOOD,
     "sys.exit": "import sys\nsys.exit(0)\n" + GOOD,
     "huge file": GOOD + "open('big', 'wb').write(b'x' * (64 << 20))\n",
     "forged result": GOOD + 'print(\'RESULT 0000 {"passed": 3, "total": 3}\')\nraise SystemExit\n',
+    "read the host's files": uses("assert open('/root/.bashrc').read() or open('/home').read()"),
 }
 
 
@@ -92,6 +95,14 @@ def test_a_secret_outside_the_directory_stays_secret(reward: PythonTests, tmp_pa
     code = uses(f"assert open({str(secret)!r}).read() == 'hunter2'")
     assert score(reward, code)[0] == 0.0
     assert secret.read_text() == "hunter2"
+
+
+def test_the_environment_is_not_inherited(reward: PythonTests, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ROLLOUT_TEST_TOKEN", "hunter2")
+    code = "import os\n" + uses("assert os.environ['ROLLOUT_TEST_TOKEN'] == 'hunter2'")
+    assert score(reward, code)[0] == 0.0
+    honest = "import os\n" + uses("assert 'ROLLOUT_TEST_TOKEN' not in os.environ")
+    assert score(reward, honest)[0] == 1.0
 
 
 def test_no_network_even_to_a_listening_local_port(reward: PythonTests) -> None:
@@ -120,9 +131,54 @@ def test_a_record_without_tests_is_an_error(reward: PythonTests) -> None:
         reward.score([Sample(prompt="", completion=GOOD, record={})])
 
 
+def test_a_test_whose_verdict_would_be_the_codes_is_an_error(reward: PythonTests) -> None:
+    with pytest.raises(UnverifiableTest, match="test 1"):
+        score(reward, GOOD, ["assert add(1, 2) == 3", "total = add(1, 2)\nassert total == 3"])
+
+
+def test_comparisons_chains_and_truth_are_judged_outside(reward: PythonTests) -> None:
+    code = GOOD + "def halves(n):\n    return [n / 2, (n, n)]\ndef even(n):\n    return n % 2 == 0\n"
+    tests = [
+        "assert 2 < add(1, 2) <= 3",
+        "assert halves(3) == [1.5, (3, 3)]",
+        "assert halves(3) != [1.5, [3, 3]]",
+        "assert 4 in halves(8)",
+        "assert even(4)",
+        "assert not even(3)",
+        "assert add(1, 2) is None",
+    ]
+    assert score(reward, code, tests)[0] == pytest.approx(6 / 7)
+
+
+def test_without_a_sandbox_the_reward_refuses_to_load_unless_opted_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from rollout_sdk import isolation
+
+    isolation._bubblewrap.cache_clear()
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(IsolationError, match=r"bubblewrap .* not installed.*rlimits-only"):
+        load_plugin("python_plugins.code_reward:PythonTests", {}, PythonTests)
+    weaker = load_plugin("python_plugins.code_reward:PythonTests", {"isolation": "rlimits-only"}, PythonTests)
+    assert weaker.sandbox.kind == "rlimits-only"
+    assert score(weaker, GOOD)[0] == 1.0
+    isolation._bubblewrap.cache_clear()
+
+
+def test_a_harness_that_cannot_start_fails_the_sample(
+    reward: PythonTests, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    broken = Sandbox(kind="bubblewrap", program="/bin/false", version="broken")
+    monkeypatch.setattr(reward, "sandbox", broken)
+    with pytest.raises(HarnessFailure, match="did not start"):
+        score(reward, GOOD)
+
+
 def test_limits_are_checked() -> None:
     with pytest.raises(ConfigError):
         load_plugin("python_plugins.code_reward:PythonTests", {"memory_mb": 1}, PythonTests)
+    with pytest.raises(ConfigError):
+        load_plugin("python_plugins.code_reward:PythonTests", {"isolation": "none"}, PythonTests)
 
 
 def _children() -> set[int]:

@@ -431,3 +431,16 @@ def test_check_policy_rejects_a_snapshot_that_is_not_a_copy(tiny_model_dir):
     policy.snapshot = make_policy(tiny_model_dir).snapshot  # another model's, never trained
     with pytest.raises(PluginCheckError, match="snapshot"):
         check_policy(policy, PROMPTS, max_new_tokens=8)
+
+
+def test_pickled_weights_are_never_loaded(tiny_model_dir, tmp_path):
+    """A model directory with only `pytorch_model.bin` (a pickle, which can run code when
+    loaded) is refused before transformers sees it."""
+    pickled = tmp_path / "pickled"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model.config.save_pretrained(pickled)
+    torch.save(model.state_dict(), pickled / "pytorch_model.bin")
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(pickled)
+    assert not list(pickled.glob("*.safetensors"))
+    with pytest.raises(ValueError, match="no safetensors weights; pickled ones"):
+        make_policy(str(pickled))

@@ -85,6 +85,13 @@ def test_scores_with_every_reward_in_order(worker_factory) -> None:
     assert worker.score("x = 1", call_id=4) == {"op": "scored", "id": 4, "scores": [1.0, 2.5]}
 
 
+def test_scores_are_clamped_to_the_rewards_declared_range(worker_factory) -> None:
+    worker = worker_factory([{"plugin": "sandbox_plugins:Bounded", "options": {}}])
+    assert worker.score("12345")["scores"] == [1.0]
+    assert worker.score("")["scores"] == [1.0]
+    assert worker.score("-1")["scores"] == [0.0]
+
+
 def test_a_raise_returns_the_traceback_and_the_worker_goes_on(worker_factory) -> None:
     worker = worker_factory([{"plugin": "sandbox_plugins:Misbehaving", "options": {}}])
     failed = worker.score("3 fails", call_id=2)

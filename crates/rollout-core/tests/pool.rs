@@ -16,7 +16,9 @@ use rollout_net::messages::{
     Done, GenerateRequest, GenerateResponse, GroupRef, MessageKind, PromptRequest, SamplingParams,
     SyncWeights, WeightsReport,
 };
-use rollout_testkit::fakes::worker::{Behaviour, fake_worker, hello, seed_completion};
+use rollout_testkit::fakes::worker::{
+    Behaviour, Malformation, fake_worker, hello, seed_completion,
+};
 
 fn request(step: u64, prompts: u32) -> GenerateRequest {
     GenerateRequest {
@@ -115,6 +117,32 @@ async fn a_worker_lost_mid_request_has_its_groups_generated_by_the_others() {
     let audited = audit(&journal).unwrap();
     assert_eq!(audited.groups_trained, 12);
     assert_eq!((audited.groups_lost, audited.groups_duplicated), (0, 0));
+}
+
+#[tokio::test]
+async fn a_worker_that_sends_a_malformed_answer_loses_its_leases_and_its_place() {
+    for malformation in Malformation::ALL {
+        let dir = tempfile::tempdir().unwrap();
+        let journal = dir.path().join("ledger.jsonl");
+        let settings = PoolSettings {
+            vocabulary: Some(1000),
+            ..PoolSettings::default()
+        };
+        let behaviours = [Behaviour::Healthy, Behaviour::Malformed(malformation)];
+        let workers = pool(&behaviours, settings, &journal).await;
+        let response = workers.generate(request(1, 6)).await.unwrap();
+        assert_every_prompt_answered(&response, 6);
+        let metrics = workers.step_trained(1).await.unwrap();
+        let counted = (
+            metrics["answers_malformed"],
+            metrics["workers"],
+            metrics["leases_revoked"],
+        );
+        assert_eq!(counted, (1.0, 1.0, 3.0), "{malformation:?}");
+        let audited = audit(&journal).unwrap();
+        assert_eq!(audited.groups_trained, 6, "{malformation:?}");
+        assert_eq!((audited.groups_lost, audited.groups_duplicated), (0, 0));
+    }
 }
 
 #[tokio::test]

@@ -88,6 +88,10 @@ pub enum AuthError {
     WrongSecret,
     #[error("authentication did not finish within {0:?}")]
     Timeout(Duration),
+    /// The listener closed the connection before it sent its challenge: it sheds
+    /// connections while it is busy, so this one is worth trying again.
+    #[error("the listener closed the connection before its challenge: {0}")]
+    NoChallenge(std::io::Error),
     #[error("connection closed during authentication: {0}")]
     Io(#[from] std::io::Error),
 }
@@ -148,7 +152,10 @@ pub async fn authenticate_server<S: AsyncRead + AsyncWrite + Unpin>(
 ) -> Result<(), AuthError> {
     within(limit, async {
         let mut challenge = [0u8; AUTH_MAGIC.len() + NONCE_LEN];
-        stream.read_exact(&mut challenge).await?;
+        stream
+            .read_exact(&mut challenge)
+            .await
+            .map_err(AuthError::NoChallenge)?;
         let (greeting, server_nonce) = challenge.split_at(AUTH_MAGIC.len());
         if greeting != AUTH_MAGIC {
             return Err(AuthError::BadGreeting);

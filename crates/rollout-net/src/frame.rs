@@ -21,6 +21,9 @@ pub const PREAMBLE_LEN: usize = 24;
 pub const DEFAULT_MAX_HEADER_BYTES: u32 = 16 << 20;
 /// Default [`FrameCodec::max_payload_bytes`]: 64 GiB.
 pub const DEFAULT_MAX_PAYLOAD_BYTES: u64 = 64 << 30;
+/// The room the decoder keeps for the rest of a frame before it grows its buffer.
+const MIN_ROOM: usize = 1 << 20;
+
 /// The most the decoder reserves ahead of bytes that have actually arrived, so a preamble
 /// alone cannot make it allocate a large frame; bigger frames grow the buffer as they arrive.
 const MAX_RESERVE_AHEAD: usize = 8 << 20;
@@ -132,18 +135,32 @@ impl FrameCodec {
         self.max_payload_bytes
     }
 
-    fn check_header_len(&self, len: u64) -> Result<(), FrameError> {
-        let max = u64::from(self.max_header_bytes);
-        if len > max {
-            return Err(FrameError::HeaderTooLarge { len, max });
+    /// Checks a frame's lengths against this codec's limits and what its kind needs.
+    fn check_lengths(
+        &self,
+        kind: MessageKind,
+        header: u64,
+        payload: u64,
+    ) -> Result<(), FrameError> {
+        let max = u64::from(self.max_header_bytes.min(kind.max_header_bytes()));
+        if header > max {
+            return Err(FrameError::HeaderTooLarge {
+                kind,
+                len: header,
+                max,
+            });
         }
-        Ok(())
-    }
-
-    fn check_payload_len(&self, len: u64) -> Result<(), FrameError> {
-        let max = self.max_payload_bytes;
-        if len > max {
-            return Err(FrameError::PayloadTooLarge { len, max });
+        let max = if kind.carries_payload() {
+            self.max_payload_bytes
+        } else {
+            0
+        };
+        if payload > max {
+            return Err(FrameError::PayloadTooLarge {
+                kind,
+                len: payload,
+                max,
+            });
         }
         Ok(())
     }
@@ -220,11 +237,11 @@ impl Decoder for FrameCodec {
             header_len,
             payload_len,
         } = Preamble::parse(preamble)?;
-        self.check_header_len(u64::from(header_len))?;
-        self.check_payload_len(payload_len)?;
+        self.check_lengths(kind, u64::from(header_len), payload_len)?;
 
         // Both lengths are within the limits; they must still fit this machine's memory.
         let too_large = || FrameError::PayloadTooLarge {
+            kind,
             len: payload_len,
             max: u64::try_from(usize::MAX).unwrap_or(u64::MAX),
         };
@@ -236,11 +253,16 @@ impl Decoder for FrameCodec {
             .ok_or_else(too_large)?;
 
         if src.len() < frame_len {
-            // Room for the rest of the frame, at most MAX_RESERVE_AHEAD past what arrived.
-            // A fresh buffer of exactly that size: `BytesMut::reserve` could double the old
-            // allocation, or keep the bytes of frames already handed out in front of it.
-            let wanted = frame_len.min(src.len().saturating_add(MAX_RESERVE_AHEAD));
-            if src.capacity() < wanted {
+            // Once the room left runs low, room for more of the frame: as much again as has
+            // arrived (at least MAX_RESERVE_AHEAD), so a large frame is copied a logarithmic
+            // number of times while a preamble alone still cannot make the decoder allocate
+            // much. A fresh buffer: `BytesMut::reserve` could keep the bytes of frames
+            // already handed out in front of it.
+            let missing = frame_len - src.len();
+            let room = src.capacity() - src.len();
+            if room < missing.min(MIN_ROOM) {
+                let ahead = src.len().max(MAX_RESERVE_AHEAD);
+                let wanted = frame_len.min(src.len().saturating_add(ahead));
                 let mut grown = BytesMut::with_capacity(wanted);
                 grown.extend_from_slice(src);
                 *src = grown;
@@ -274,9 +296,9 @@ impl FrameCodec {
     pub fn encode_head(&self, frame: &Frame, dst: &mut BytesMut) -> Result<(), FrameError> {
         let header_len = frame.header.len() as u64;
         let payload_len = frame.payload.len() as u64;
-        self.check_header_len(header_len)?;
-        self.check_payload_len(payload_len)?;
+        self.check_lengths(frame.kind, header_len, payload_len)?;
         let header_len = u32::try_from(header_len).map_err(|_| FrameError::HeaderTooLarge {
+            kind: frame.kind,
             len: header_len,
             max: u64::from(u32::MAX),
         })?;
@@ -316,10 +338,18 @@ pub enum FrameError {
     ReservedFlags(u16),
     #[error("reserved preamble field is {0:#010x}, expected 0")]
     ReservedField(u32),
-    #[error("header of {len} bytes exceeds the limit of {max} bytes")]
-    HeaderTooLarge { len: u64, max: u64 },
-    #[error("payload of {len} bytes exceeds the limit of {max} bytes")]
-    PayloadTooLarge { len: u64, max: u64 },
+    #[error("{kind} header of {len} bytes exceeds the limit of {max} bytes")]
+    HeaderTooLarge {
+        kind: MessageKind,
+        len: u64,
+        max: u64,
+    },
+    #[error("{kind} payload of {len} bytes exceeds the limit of {max} bytes")]
+    PayloadTooLarge {
+        kind: MessageKind,
+        len: u64,
+        max: u64,
+    },
     #[error("invalid {kind} header: {source}")]
     InvalidHeader {
         kind: MessageKind,
@@ -382,13 +412,13 @@ mod tests {
 
     #[test]
     fn layout_is_as_documented() {
-        let frame = Frame::encode_message(MessageKind::Heartbeat, &Heartbeat { seq: 7 }, {
+        let frame = Frame::encode_message(MessageKind::WeightsBucket, &Heartbeat { seq: 7 }, {
             Bytes::from_static(b"xyz")
         })
         .unwrap();
         let buf = encode(frame);
         let header = br#"{"seq":7}"#;
-        let mut expected = vec![b'R', b'L', b'T', 1, 0, 2, 0, 0];
+        let mut expected = vec![b'R', b'L', b'T', 1, 0, 20, 0, 0];
         expected.extend_from_slice(&(header.len() as u32).to_be_bytes());
         expected.extend_from_slice(&[0; 4]);
         expected.extend_from_slice(&3u64.to_be_bytes());
@@ -408,7 +438,8 @@ mod tests {
 
     #[test]
     fn one_byte_chunks_decode_the_same() {
-        let frame = Frame::from_message(&hello(), Bytes::from_static(&[1, 2, 3, 4, 5])).unwrap();
+        let payload = Bytes::from_static(&[1, 2, 3, 4, 5]);
+        let frame = Frame::encode_message(MessageKind::WeightsBucket, &hello(), payload).unwrap();
         let wire = encode(frame.clone());
         let mut codec = FrameCodec::new();
         let mut buf = BytesMut::new();
@@ -422,14 +453,16 @@ mod tests {
             }
         }
         assert!(buf.is_empty());
-        assert_eq!(frame.decode_message::<Hello>().unwrap(), hello());
+        assert_eq!(frame.decode_header::<Hello>().unwrap(), hello());
     }
 
     #[test]
     fn back_to_back_frames() {
         let first = Frame::from_message(&hello(), Bytes::new()).unwrap();
+        let payload = Bytes::from_static(b"payload");
         let second =
-            Frame::from_message(&Heartbeat { seq: 1 }, Bytes::from_static(b"payload")).unwrap();
+            Frame::encode_message(MessageKind::WeightsBucket, &Heartbeat { seq: 1 }, payload)
+                .unwrap();
         let mut buf = encode(first.clone());
         buf.extend_from_slice(&encode(second.clone()));
         let mut codec = FrameCodec::new();
@@ -497,21 +530,28 @@ mod tests {
             .decode(&mut preamble(1, 1, 0, 11, 0))
             .unwrap_err();
         assert!(
-            matches!(err, FrameError::HeaderTooLarge { len: 11, max: 10 }),
+            matches!(
+                err,
+                FrameError::HeaderTooLarge {
+                    len: 11,
+                    max: 10,
+                    ..
+                }
+            ),
             "{err}"
         );
         let err = codec
             .clone()
-            .decode(&mut preamble(1, 1, 0, 10, 101))
+            .decode(&mut preamble(1, 20, 0, 10, 101))
             .unwrap_err();
         assert_eq!(
             err.to_string(),
-            "payload of 101 bytes exceeds the limit of 100 bytes"
+            "WeightsBucket payload of 101 bytes exceeds the limit of 100 bytes"
         );
         assert_eq!(
             codec
                 .clone()
-                .decode(&mut preamble(1, 1, 0, 10, 100))
+                .decode(&mut preamble(1, 20, 0, 10, 100))
                 .unwrap(),
             None
         );
@@ -530,16 +570,65 @@ mod tests {
     }
 
     #[test]
+    fn each_kind_is_held_to_what_it_needs() {
+        // A heartbeat claiming a 1 MiB header, a generation request with a payload.
+        let err = decode_err(preamble(1, 2, 0, 1 << 20, 0));
+        assert_eq!(
+            err.to_string(),
+            "Heartbeat header of 1048576 bytes exceeds the limit of 65536 bytes"
+        );
+        let err = decode_err(preamble(1, 4, 0, 10, 1));
+        assert_eq!(
+            err.to_string(),
+            "GenerateRequest payload of 1 bytes exceeds the limit of 0 bytes"
+        );
+        // Bulk kinds keep the link's limits.
+        let mut buf = preamble(1, 4, 0, 100 << 20, 0);
+        assert_eq!(
+            FrameCodec::new()
+                .with_max_header_bytes(256 << 20)
+                .decode(&mut buf)
+                .unwrap(),
+            None
+        );
+    }
+
+    #[test]
+    fn a_large_frame_is_copied_a_logarithmic_number_of_times() {
+        let payload = 64usize << 20;
+        let mut buf = preamble(1, 20, 0, 2, payload as u64);
+        buf.extend_from_slice(b"{}");
+        let mut codec = FrameCodec::new();
+        let chunk = vec![0u8; 1 << 20];
+        let (mut grown, mut capacity) = (0, buf.capacity());
+        for _ in 0..payload / chunk.len() {
+            assert_eq!(codec.decode(&mut buf).unwrap(), None);
+            if buf.capacity() != capacity {
+                grown += 1;
+                capacity = buf.capacity();
+            }
+            // Never far more than has arrived.
+            assert!(buf.capacity() <= 2 * buf.len().max(MAX_RESERVE_AHEAD) + PREAMBLE_LEN + 2);
+            buf.extend_from_slice(&chunk);
+        }
+        let frame = codec.decode(&mut buf).unwrap().expect("the whole frame");
+        assert_eq!(frame.payload.len(), payload);
+        assert!(grown <= 4, "the buffer grew {grown} times");
+    }
+
+    #[test]
     fn encoder_enforces_limits() {
+        let payload = Bytes::from_static(&[0; 8]);
         let frame =
-            Frame::from_message(&Heartbeat { seq: 0 }, Bytes::from_static(&[0; 8])).unwrap();
+            Frame::encode_message(MessageKind::WeightsBucket, &Heartbeat { seq: 0 }, payload)
+                .unwrap();
         let mut buf = BytesMut::new();
         let err = FrameCodec::new()
             .with_max_payload_bytes(7)
             .encode(frame.clone(), &mut buf)
             .unwrap_err();
         assert!(
-            matches!(err, FrameError::PayloadTooLarge { len: 8, max: 7 }),
+            matches!(err, FrameError::PayloadTooLarge { len: 8, max: 7, .. }),
             "{err}"
         );
         let err = FrameCodec::new()

@@ -6,6 +6,7 @@
 //! - [`tensor`]: safetensors-shaped tables laying out bulk tensors in a frame's payload.
 //! - [`auth`]: the challenge-response every TCP connection passes before a frame is read.
 //! - [`link`]: authenticated TCP connections between roles.
+//! - [`gate`]: accepting such connections from anyone who can reach a port, boundedly.
 //! - [`rpc`]: calls and answers over a link, with heartbeats and credits.
 //! - [`heard`]: when a connection last delivered a frame.
 //! - [`tls`]: optional encryption of links, bound to the authentication.
@@ -47,6 +48,7 @@
 
 pub mod auth;
 pub mod frame;
+pub mod gate;
 pub mod heard;
 pub mod link;
 pub mod messages;
@@ -60,3 +62,4 @@ pub use link::{Link, LinkLimits, NetError};
 pub use messages::{Message, MessageKind};
 pub use rpc::{RpcClient, RpcServer};
 pub use tensor::{Dtype, TensorBytes, TensorError, TensorMeta, TensorPayloadBuilder, TensorTable};
+pub use tls::Encryption;

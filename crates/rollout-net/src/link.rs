@@ -13,7 +13,7 @@ use tokio_util::codec::Framed;
 use crate::auth::{AuthError, ClusterKey, authenticate_client, authenticate_server};
 use crate::frame::{Frame, FrameCodec};
 use crate::messages::Hello;
-use crate::tls::{Stream as LinkStream, TlsContext};
+use crate::tls::{Encryption, Stream as LinkStream};
 
 /// Sizes, times and encryption every connection of a run agrees on.
 #[derive(Debug, Clone)]
@@ -28,8 +28,8 @@ pub struct LinkLimits {
     pub handshake_timeout: Duration,
     /// Requests a server accepts before the client must wait for answers.
     pub credits: u32,
-    /// Encrypt with TLS (`[cluster] tls`); every process of a run must agree.
-    pub tls: Option<TlsContext>,
+    /// Which links are encrypted (`[cluster] tls`).
+    pub encryption: Encryption,
 }
 
 impl Default for LinkLimits {
@@ -41,7 +41,7 @@ impl Default for LinkLimits {
             peer_timeout: Duration::from_secs(30),
             handshake_timeout: Duration::from_secs(10),
             credits: 16,
-            tls: None,
+            encryption: Encryption::LoopbackOnly,
         }
     }
 }
@@ -124,7 +124,11 @@ impl Link {
             .map_err(|err| failed(err.to_string()))?;
         let _ = stream.set_nodelay(true);
         let peer_addr = stream.peer_addr().map_err(|err| failed(err.to_string()))?;
-        let (mut stream, binding) = match &limits.tls {
+        let tls = limits
+            .encryption
+            .for_peer(peer_addr.ip())
+            .map_err(|err| failed(err.to_string()))?;
+        let (mut stream, binding) = match tls {
             Some(tls) => tokio::time::timeout(limits.handshake_timeout, tls.connect(stream))
                 .await
                 .map_err(|_| failed("the TLS handshake timed out".into()))?
@@ -133,7 +137,13 @@ impl Link {
         };
         authenticate_server(&mut stream, key, &binding, limits.handshake_timeout)
             .await
-            .map_err(|err| NetError::auth(addr, err))?;
+            .map_err(|err| match err {
+                // A busy listener sheds connections before they authenticate: try again.
+                AuthError::NoChallenge(_) | AuthError::Timeout(_) => {
+                    failed(format!("{err} (the listener may be busy)"))
+                }
+                err => NetError::auth(addr, err),
+            })?;
         Self::greet(stream, peer_addr, hello, limits).await
     }
 
@@ -155,7 +165,11 @@ impl Link {
             peer: peer.clone(),
             reason,
         };
-        let (mut stream, binding) = match &limits.tls {
+        let tls = limits
+            .encryption
+            .for_peer(peer_addr.ip())
+            .map_err(|err| handshake_failed(err.to_string()))?;
+        let (mut stream, binding) = match tls {
             Some(tls) => tokio::time::timeout(limits.handshake_timeout, tls.accept(stream))
                 .await
                 .map_err(|_| handshake_failed("the TLS handshake timed out".into()))?
@@ -203,6 +217,11 @@ impl Link {
             peer_addr,
             limits: limits.clone(),
         })
+    }
+
+    /// Whether the link runs TLS.
+    pub fn encrypted(&self) -> bool {
+        !matches!(self.framed.get_ref(), LinkStream::Plain(_))
     }
 
     /// A name for logs: the peer's role and name and address.

@@ -563,6 +563,29 @@ impl MessageKind {
         self as u16
     }
 
+    /// The largest header a frame of this kind needs: control messages are small, bulk
+    /// messages (prompts, completions, batches) are bounded by the link's limit alone.
+    pub fn max_header_bytes(self) -> u32 {
+        use MessageKind::*;
+        match self {
+            Hello | Heartbeat | Done | Shutdown | PublishWeights | WeightsReport | SyncWeights
+            | PullWeights | CheckpointRequest => 64 << 10,
+            Error => 4 << 20,
+            Welcome | WeightsBucket | WeightsUpdate => 16 << 20,
+            GenerateRequest | GenerateResponse | ScoreRequest | ScoreResponse | TrainRequest
+            | TrainResponse | TokenizerRequest | TokenizerResponse | ValuesRequest
+            | ValuesResponse => u32::MAX,
+        }
+    }
+
+    /// Whether frames of this kind carry a payload (tensor bytes); others must not.
+    pub fn carries_payload(self) -> bool {
+        matches!(
+            self,
+            MessageKind::WeightsBucket | MessageKind::WeightsUpdate
+        )
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             MessageKind::Hello => "Hello",

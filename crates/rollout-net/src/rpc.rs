@@ -159,6 +159,9 @@ impl Sink {
         if !frame.payload.is_empty() {
             self.stream.write_all(&frame.payload).await?;
         }
+        // TLS holds records back until flushed: without this a frame could wait for the
+        // next one (the next heartbeat, seconds later).
+        self.stream.flush().await?;
         Ok(())
     }
 

@@ -7,6 +7,7 @@
 //! would see two different sessions and fail it. Both sides therefore end up holding the
 //! cluster secret and the same encrypted session.
 
+use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -31,6 +32,74 @@ pub enum TlsError {
     Setup(String),
     #[error("TLS handshake failed (does the peer have `[cluster] tls` set the same way?): {0}")]
     Handshake(std::io::Error),
+}
+
+/// When a link is encrypted. Both ends decide from the peer's address alone, so they agree
+/// without telling each other: a connection to a loopback address comes from one, and one
+/// to any other address comes from a non-loopback one.
+#[derive(Debug, Clone)]
+pub enum Encryption {
+    /// TLS on every link with another machine, plaintext on loopback: the default.
+    OffLoopback(TlsContext),
+    /// TLS on every link, loopback included (`[cluster] tls = true`, `--tls`).
+    Always(TlsContext),
+    /// No TLS at all: an explicit opt-out (`[cluster] tls = false`, `--no-tls`).
+    Never,
+    /// Plaintext on loopback, and no link with another machine: what tests and tools that
+    /// build [`crate::LinkLimits::default`] get.
+    LoopbackOnly,
+}
+
+impl Encryption {
+    /// The encryption a process gets from its `tls` setting: `None` (unset) is the default,
+    /// encrypted off loopback.
+    pub fn from_setting(tls: Option<bool>) -> Result<Self, TlsError> {
+        Ok(match tls {
+            None => Self::OffLoopback(TlsContext::new()?),
+            Some(true) => Self::Always(TlsContext::new()?),
+            Some(false) => Self::Never,
+        })
+    }
+
+    /// The TLS context a link with `peer` uses, `None` for plaintext; an error where this
+    /// policy allows no link with that peer.
+    pub fn for_peer(&self, peer: IpAddr) -> Result<Option<&TlsContext>, TlsError> {
+        let loopback = is_loopback(peer);
+        match self {
+            Self::Always(tls) => Ok(Some(tls)),
+            Self::OffLoopback(tls) if !loopback => Ok(Some(tls)),
+            Self::LoopbackOnly if !loopback => Err(TlsError::Setup(format!(
+                "{peer} is not a loopback address and this process has no TLS identity"
+            ))),
+            Self::OffLoopback(_) | Self::LoopbackOnly | Self::Never => Ok(None),
+        }
+    }
+
+    /// One line for the startup log.
+    pub fn describe(&self) -> &'static str {
+        match self {
+            Self::OffLoopback(_) => {
+                "links with other machines are encrypted (TLS 1.3, bound to the cluster secret); \
+                 loopback links are not"
+            }
+            Self::Always(_) => "every link is encrypted (TLS 1.3, bound to the cluster secret)",
+            Self::Never => {
+                "links are NOT encrypted (`tls = false`): anyone on the path between machines \
+                 can read the weights and batches and alter frames after the handshake"
+            }
+            Self::LoopbackOnly => "loopback links only, not encrypted",
+        }
+    }
+}
+
+/// Loopback, IPv4-mapped IPv6 loopback included.
+fn is_loopback(addr: IpAddr) -> bool {
+    match addr {
+        IpAddr::V4(v4) => v4.is_loopback(),
+        IpAddr::V6(v6) => {
+            v6.is_loopback() || v6.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback())
+        }
+    }
 }
 
 /// This process's TLS identity and settings, shared by all its links.
@@ -216,5 +285,53 @@ impl AsyncWrite for Stream {
             Stream::Client(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
             Stream::Server(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    fn addr(text: &str) -> IpAddr {
+        text.parse().unwrap()
+    }
+
+    #[test]
+    fn the_default_encrypts_every_link_off_loopback() {
+        let default = Encryption::from_setting(None).unwrap();
+        for loopback in ["127.0.0.1", "127.8.9.10", "::1", "::ffff:127.0.0.1"] {
+            assert!(
+                default.for_peer(addr(loopback)).unwrap().is_none(),
+                "{loopback}"
+            );
+        }
+        for other in [
+            "10.231.7.2",
+            "192.168.1.5",
+            "::ffff:10.0.0.1",
+            "fe80::1",
+            "0.0.0.0",
+        ] {
+            assert!(default.for_peer(addr(other)).unwrap().is_some(), "{other}");
+        }
+    }
+
+    #[test]
+    fn the_settings_force_or_drop_encryption() {
+        let always = Encryption::from_setting(Some(true)).unwrap();
+        assert!(always.for_peer(addr("127.0.0.1")).unwrap().is_some());
+        let never = Encryption::from_setting(Some(false)).unwrap();
+        assert!(never.for_peer(addr("10.0.0.1")).unwrap().is_none());
+        assert!(never.describe().contains("NOT encrypted"));
+    }
+
+    #[test]
+    fn without_an_identity_only_loopback_links_are_made() {
+        let only = Encryption::LoopbackOnly;
+        assert!(only.for_peer(addr("127.0.0.1")).unwrap().is_none());
+        let err = only.for_peer(addr("10.0.0.1")).unwrap_err();
+        assert!(err.to_string().contains("not a loopback address"), "{err}");
     }
 }

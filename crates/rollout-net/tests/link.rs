@@ -7,14 +7,26 @@ use std::time::Duration;
 use bytes::Bytes;
 use rollout_net::auth::CLIENT_PROOF_LEN;
 use rollout_net::link::{Link, LinkLimits};
-use rollout_net::messages::{Done, Heartbeat, Hello, PullWeights, Shutdown};
+use rollout_net::messages::{Done, Heartbeat, Hello, PullWeights, Shutdown, WeightsBucket};
 use rollout_net::rpc::RpcServer;
+use rollout_net::tensor::TensorTable;
 use rollout_net::{ClusterKey, NetError};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 
 const LIMIT: Duration = Duration::from_secs(20);
+
+/// A weight bucket's header: the kind of message that carries a payload.
+fn bucket(index: u32) -> WeightsBucket {
+    WeightsBucket {
+        version: 1,
+        index,
+        count: 3,
+        checksum: String::new(),
+        tensors: TensorTable::default(),
+    }
+}
 
 fn key(secret: &str) -> ClusterKey {
     ClusterKey::from_secret(secret.as_bytes()).unwrap()
@@ -156,7 +168,12 @@ async fn requests_and_streamed_answers_arrive_by_call() {
     for i in 0..3u8 {
         server
             .responder
-            .reply(a.call, &Done {}, Bytes::from(vec![i; 4]), i < 2)
+            .reply(
+                a.call,
+                &bucket(u32::from(i)),
+                Bytes::from(vec![i; 4]),
+                i < 2,
+            )
             .unwrap();
     }
     let (_, payload) = second.answer::<Done>().await.unwrap();
@@ -164,7 +181,7 @@ async fn requests_and_streamed_answers_arrive_by_call() {
     let mut first = first;
     let mut payloads = Vec::new();
     while let Some(frame) = first.next_frame().await.unwrap() {
-        let (_, _, payload) = first.decode::<Done>(frame).unwrap();
+        let (_, _, payload) = first.decode::<WeightsBucket>(frame).unwrap();
         payloads.push(payload[0]);
     }
     assert_eq!(payloads, [0, 1, 2]);
@@ -230,7 +247,7 @@ async fn an_oversized_frame_closes_only_its_connection() {
     // Over the listener's 1 MiB payload limit: refused by the receiving decoder, which never reserves
     // what the preamble claims.
     let call = client
-        .call(&Done {}, Bytes::from(vec![0u8; 2 << 20]))
+        .call(&bucket(0), Bytes::from(vec![0u8; 2 << 20]))
         .unwrap();
     assert!(
         tokio::time::timeout(LIMIT, server.requests.recv())
@@ -322,8 +339,12 @@ async fn mismatched_builds_do_not_talk() {
 #[tokio::test]
 async fn tls_links_carry_requests_and_refuse_plain_peers() {
     let secret = "the cluster secret, 32 bytes long";
+    // Heartbeats far apart: a frame must not wait for the next one to be flushed.
     let tls = LinkLimits {
-        tls: Some(rollout_net::tls::TlsContext::new().unwrap()),
+        encryption: rollout_net::Encryption::Always(rollout_net::tls::TlsContext::new().unwrap()),
+        heartbeat: Duration::from_secs(30),
+        peer_timeout: Duration::from_secs(60),
+        max_payload_bytes: 64 << 20,
         ..limits()
     };
     let socket = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -342,24 +363,29 @@ async fn tls_links_carry_requests_and_refuse_plain_peers() {
         }
     });
     let client_tls = LinkLimits {
-        tls: Some(rollout_net::tls::TlsContext::new().unwrap()),
-        ..limits()
+        encryption: rollout_net::Encryption::Always(rollout_net::tls::TlsContext::new().unwrap()),
+        ..tls.clone()
     };
     let client = Link::connect(&addr, &key(secret), &hello("controller", 4), &client_tls)
         .await
         .unwrap()
         .client();
     let mut server: RpcServer = next(&mut accepted).await.unwrap();
-    let call = client
-        .call(&PullWeights { version: 1 }, Bytes::from(vec![9u8; 1 << 16]))
-        .unwrap();
-    let request = next(&mut server.requests).await;
-    assert_eq!(request.frame.payload.len(), 1 << 16);
-    server
-        .responder
-        .reply(request.call, &Done {}, Bytes::new(), false)
-        .unwrap();
-    call.answer::<Done>().await.unwrap();
+    for index in 0..5 {
+        let started = std::time::Instant::now();
+        let call = client
+            .call(&bucket(index), Bytes::from(vec![9u8; 8 << 20]))
+            .unwrap();
+        let request = next(&mut server.requests).await;
+        assert_eq!(request.frame.payload.len(), 8 << 20);
+        server
+            .responder
+            .reply(request.call, &Done {}, Bytes::new(), false)
+            .unwrap();
+        call.answer::<Done>().await.unwrap();
+        let took = started.elapsed();
+        assert!(took < Duration::from_secs(2), "a round trip took {took:?}");
+    }
 
     // A peer without TLS, and a TLS peer with the wrong secret, are both refused.
     let plain = Link::connect(&addr, &key(secret), &hello("controller", 4), &limits()).await;

@@ -201,24 +201,40 @@ pub(crate) struct RoleOptions {
     /// Where this process serves weights to other processes (a worker relays them on).
     #[arg(long, default_value = "127.0.0.1:0")]
     pub(crate) listen: String,
-    /// A file holding the cluster secret; else `ROLLOUT_CLUSTER_SECRET`.
+    /// A file holding the cluster secret (not readable by every user); else
+    /// `ROLLOUT_CLUSTER_SECRET`.
     #[arg(long)]
     pub(crate) secret_file: Option<PathBuf>,
-    /// Encrypt links with TLS: required when the controller's `[cluster] tls` is on.
-    #[arg(long)]
+    /// Encrypt every link with TLS, loopback included: what the controller's
+    /// `[cluster] tls = true` needs. Without it or `--no-tls`, links with other machines are
+    /// encrypted and loopback links are not, as the controller's default.
+    #[arg(long, conflicts_with = "no_tls")]
     pub(crate) tls: bool,
+    /// Encrypt no link, not even with other machines: what the controller's
+    /// `[cluster] tls = false` needs.
+    #[arg(long)]
+    pub(crate) no_tls: bool,
     /// Keep trying to reach a controller that is not listening yet for this many seconds.
     #[arg(long, default_value_t = 120.0, value_name = "SECONDS")]
     pub(crate) connect_retry: f64,
 }
 
 impl RoleOptions {
+    fn tls_setting(&self) -> Option<bool> {
+        match (self.tls, self.no_tls) {
+            (true, _) => Some(true),
+            (false, true) => Some(false),
+            (false, false) => None,
+        }
+    }
+
     pub(crate) fn into_args(
         self,
         rank: u32,
         world_size: u32,
     ) -> anyhow::Result<crate::processes::joining::RoleArgs> {
-        let key = crate::processes::cluster_key(self.secret_file.as_deref())?;
+        let key = crate::processes::secret::cluster_key(self.secret_file.as_deref())?;
+        let encryption = rollout_net::Encryption::from_setting(self.tls_setting())?;
         let name = self.name.unwrap_or_else(|| {
             let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
             format!("{}-{}", host.trim(), std::process::id())
@@ -232,11 +248,7 @@ impl RoleOptions {
             world_size,
             connect_retry: std::time::Duration::from_secs_f64(self.connect_retry.max(0.0)),
             limits: rollout_net::LinkLimits {
-                tls: if self.tls {
-                    Some(rollout_net::tls::TlsContext::new()?)
-                } else {
-                    None
-                },
+                encryption,
                 ..rollout_net::LinkLimits::default()
             },
         })

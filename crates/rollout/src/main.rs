@@ -23,6 +23,7 @@ const EXIT_FAILURE: u8 = 1;
 const EXIT_CONFIG: u8 = 2;
 
 fn main() -> ExitCode {
+    processes::secret::take_from_environment();
     let cli = Cli::parse();
     if let Err(err) = init_logging(cli.verbose, cli.trace.as_deref(), &cli.command) {
         eprintln!("error: {err}");

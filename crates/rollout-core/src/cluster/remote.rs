@@ -1,6 +1,6 @@
 //! The controller's side of remote trainer ranks, reached over authenticated connections
 //! behind the same trait as the in-process learner, and the call helpers every remote role
-//! uses (generation workers are in [`super::workers`]).
+//! uses (generation workers are in [`super::pool`]).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;

@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
+use rollout_net::gate::Gate;
 use rollout_net::link::{Link, LinkLimits};
 use rollout_net::messages::{Hello, PullWeights, WeightsBucket, WeightsReport};
 use rollout_net::rpc::{Incoming, Responder, RpcClient};
@@ -88,7 +89,8 @@ impl VersionBuffer {
         Self {
             version,
             count,
-            buckets: std::sync::Mutex::new(Vec::with_capacity(count as usize)),
+            // Not sized from `count`: a peer's claim is no reason to allocate.
+            buckets: std::sync::Mutex::new(Vec::new()),
             arrived: watch::channel(0).0,
         }
     }
@@ -258,20 +260,9 @@ impl WeightStore {
         wait_limit: Duration,
     ) {
         let store = self.clone();
-        tokio::spawn(async move {
-            loop {
-                let Ok((stream, addr)) = listener.accept().await else {
-                    continue;
-                };
-                let (store, key, hello, limits) =
-                    (store.clone(), key.clone(), hello.clone(), limits.clone());
-                tokio::spawn(async move {
-                    match Link::accept(stream, &key, &hello, &limits).await {
-                        Ok(link) => store.serve_link(link, wait_limit).await,
-                        Err(err) => tracing::warn!("weight server: refused {addr}: {err}"),
-                    }
-                });
-            }
+        Gate::new(key, hello, limits, "weight server: ").serve(listener, move |link| {
+            let store = store.clone();
+            async move { store.serve_link(link, wait_limit).await }
         });
     }
 

@@ -507,9 +507,11 @@ pub struct ClusterConfig {
     /// Updates all-reduced uncompressed before PowerSGD starts (torch's
     /// `start_powerSGD_iter`; at least 2).
     pub powersgd_warmup_updates: u32,
-    /// Encrypt every link with TLS 1.3 (self-signed identities; the cluster secret proves
-    /// who is who, bound to the TLS session). Roles started elsewhere need `--tls`.
-    pub tls: bool,
+    /// TLS 1.3 on links (self-signed identities; the cluster secret proves who is who,
+    /// bound to the TLS session). Unset: links with other machines are encrypted, loopback
+    /// links are not. `true`: every link (roles started elsewhere need `--tls`). `false`: no
+    /// link, an explicit and warned opt-out (roles started elsewhere need `--no-tls`).
+    pub tls: Option<bool>,
 }
 
 impl Default for ClusterConfig {
@@ -532,7 +534,7 @@ impl Default for ClusterConfig {
             gradient_compression: GradientCompression::None,
             powersgd_rank: 4,
             powersgd_warmup_updates: 10,
-            tls: false,
+            tls: None,
         }
     }
 }
@@ -573,6 +575,9 @@ pub struct SandboxConfig {
     /// With `processes > 0`, play the `[environment]`'s episodes in sandbox processes too
     /// (`processes` more of them); `false` keeps them in the embedded interpreter.
     pub environments: bool,
+    /// Environment variables the workers inherit besides locale, paths, device, thread and
+    /// cache settings (`sandbox::INHERITED_ENVIRONMENT`); nothing else reaches them.
+    pub pass_environment: Vec<String>,
 }
 
 impl Default for SandboxConfig {
@@ -586,6 +591,7 @@ impl Default for SandboxConfig {
             max_failed_fraction: 0.25,
             max_failed_fraction_per_step: 0.5,
             environments: true,
+            pass_environment: Vec::new(),
         }
     }
 }

@@ -170,6 +170,14 @@ pub fn validate(loaded: &LoadedConfig) -> Result<(), ConfigError> {
         "sandbox.max_failed_fraction_per_step",
         "must be in [0, 1]",
     )?;
+    check(
+        sandbox
+            .pass_environment
+            .iter()
+            .all(|name| !name.is_empty() && !name.contains(['=', '\0'])),
+        "sandbox.pass_environment",
+        "must be names of environment variables (no `=`)",
+    )?;
     let samples = config.algorithm.name.samples();
     if samples && config.rewards.is_empty() && config.environment.is_none() {
         return Err(loaded.error_at(

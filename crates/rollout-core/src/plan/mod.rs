@@ -281,6 +281,18 @@ pub fn check(plan: &Plan) -> Result<(), PlanError> {
     )))
 }
 
+/// The size of the policy's vocabulary, from its `model_path`'s `config.json`; `None` for
+/// a policy the planner cannot read, and for multi-agent runs (one per agent).
+pub fn policy_vocabulary(loaded: &LoadedConfig) -> Option<u64> {
+    if !loaded.config.agent_specs().is_empty() {
+        return None;
+    }
+    let options = PolicyOptions::read(loaded, false).ok()?;
+    ModelShape::read(&options.model_path)
+        .ok()
+        .map(|shape| shape.vocab_size)
+}
+
 /// The algorithm's name as the config spells it (`[algorithm] name`).
 fn algorithm_name(algorithm: Algorithm) -> String {
     serde_json::to_value(algorithm)

@@ -47,6 +47,7 @@ fn spec(processes: usize, plugin: &str) -> EnvironmentPoolSpec {
             program: "sh".into(),
             args: vec!["-c".into(), FAKE_ENVIRONMENT.into()],
             env: Vec::new(),
+            inherit: Vec::new(),
         },
         environment: EnvironmentSpec {
             plugin: plugin.into(),

@@ -24,7 +24,10 @@ pub use episodes::{EnvironmentPool, EnvironmentPoolSpec, score_failure};
 pub use limits::{FailureCounts, FailureLedger, RunCounts, check_limits};
 pub use pool::{PoolSpec, SandboxPool};
 
-pub use worker::{CallFailure, Launch, Outcome, SampleFailure, SandboxWorker, classify_exit};
+pub use worker::{
+    CallFailure, INHERITED_ENVIRONMENT, Launch, Outcome, SampleFailure, SandboxWorker,
+    classify_exit, inherited_environment,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SandboxError {

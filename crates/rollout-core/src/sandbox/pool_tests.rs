@@ -36,6 +36,7 @@ fn spec(processes: usize, plugin: &str) -> PoolSpec {
             program: "sh".into(),
             args: vec!["-c".into(), FAKE_WORKER.into()],
             env: Vec::new(),
+            inherit: Vec::new(),
         },
         rewards: vec![RewardSpec {
             plugin: plugin.into(),

@@ -16,12 +16,53 @@ const MAX_LINE: u64 = 16 << 20;
 /// How long a killed worker may take to be reaped.
 const REAP: Duration = Duration::from_secs(5);
 
-/// How to start a worker process.
+/// How to start a worker process. It starts from an empty environment: `env`, plus the
+/// variables named in `inherit` that this process has.
 #[derive(Debug, Clone)]
 pub struct Launch {
     pub program: std::path::PathBuf,
     pub args: Vec<String>,
     pub env: Vec<(String, String)>,
+    pub inherit: Vec<String>,
+}
+
+/// The variables every worker inherits: locale, paths, and what selects devices, threads
+/// and local caches. Tokens (`HF_TOKEN`, cloud keys) and the cluster secret stay behind
+/// unless `[sandbox] pass_environment` names them.
+pub const INHERITED_ENVIRONMENT: &[&str] = &[
+    "PATH",
+    "HOME",
+    "USER",
+    "LANG",
+    "LC_ALL",
+    "LC_CTYPE",
+    "TZ",
+    "TMPDIR",
+    "LD_LIBRARY_PATH",
+    "CUDA_VISIBLE_DEVICES",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "HF_HOME",
+    "HF_HUB_OFFLINE",
+    "TRANSFORMERS_OFFLINE",
+    "TORCH_HOME",
+    "XDG_CACHE_HOME",
+];
+
+/// [`INHERITED_ENVIRONMENT`] and the `extra` names.
+pub fn inherited_environment(extra: &[String]) -> Vec<String> {
+    let mut names: Vec<String> = INHERITED_ENVIRONMENT
+        .iter()
+        .map(|&name| name.into())
+        .collect();
+    names.extend(
+        extra
+            .iter()
+            .filter(|name| !names.contains(name))
+            .cloned()
+            .collect::<Vec<_>>(),
+    );
+    names
 }
 
 /// A sample a worker could not score, or an environment call that failed.
@@ -60,8 +101,14 @@ impl SandboxWorker {
         init: &str,
         timeout: Duration,
     ) -> Result<Self, SandboxError> {
+        let inherited = launch
+            .inherit
+            .iter()
+            .filter_map(|name| std::env::var_os(name).map(|value| (name, value)));
         let mut child = Command::new(&launch.program)
             .args(&launch.args)
+            .env_clear()
+            .envs(inherited)
             .envs(launch.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())

@@ -11,6 +11,8 @@ use crate::contract::{Sample, to_python};
 struct WeightedReward {
     name: String,
     weight: f64,
+    /// The scores it declares (`Reward.score_range`): every score is clamped into it.
+    range: (f64, f64),
     plugin: PluginRef,
 }
 
@@ -30,9 +32,11 @@ impl RewardSet {
                 let key = KeyPath::default().key("rewards").index(index);
                 let plugin =
                     PluginRef::load(py, loaded, &key, &reward.plugin, &reward.options, "Reward")?;
+                let range = score_range(py, &plugin)?;
                 Ok(WeightedReward {
                     name: reward_name(reward),
                     weight: reward.weight,
+                    range,
                     plugin,
                 })
             })
@@ -84,6 +88,8 @@ impl RewardSet {
                     format!("returned {bad} for sample {index}; rewards must be finite"),
                 ));
             }
+            let (low, high) = reward.range;
+            let scores: Vec<f64> = scores.into_iter().map(|s| s.clamp(low, high)).collect();
             for (total, score) in totals.iter_mut().zip(&scores) {
                 *total += reward.weight * score;
             }
@@ -99,6 +105,15 @@ impl RewardSet {
             failed: Vec::new(),
         })
     }
+}
+
+/// The reward's declared `score_range`, checked by the SDK.
+fn score_range(py: Python<'_>, plugin: &PluginRef) -> Result<(f64, f64), PluginError> {
+    let hook = "score_range";
+    py.import("rollout_sdk.reward")
+        .and_then(|module| module.call_method1("check_score_range", (plugin.object.bind(py),)))
+        .and_then(|range| range.extract())
+        .map_err(|err| plugin.raised(py, hook, &err))
 }
 
 /// The request's samples as `rollout_sdk.Sample`s.

@@ -6,9 +6,11 @@
 use std::sync::Arc;
 
 use pyo3::prelude::*;
-use rollout_core::config::{KeyPath, LoadedConfig, Segment, reward_name};
+use rollout_core::config::{KeyPath, LoadedConfig, SandboxConfig, Segment, reward_name};
 use rollout_core::sandbox::protocol::{EnvironmentSpec, RewardSpec, table_to_json};
-use rollout_core::sandbox::{EnvironmentPoolSpec, FailureLedger, Launch, PoolSpec, SandboxError};
+use rollout_core::sandbox::{
+    EnvironmentPoolSpec, FailureLedger, Launch, PoolSpec, SandboxError, inherited_environment,
+};
 
 use super::{PluginError, PluginFailure, PluginLoadError};
 use crate::interpreter::PythonError;
@@ -35,14 +37,23 @@ pub fn sandbox_launch(py: Python<'_>) -> Result<Launch, PythonError> {
             ("PYTHONPATH".into(), paths.join(":")),
             ("PYTHONFAULTHANDLER".into(), "1".into()),
         ],
+        inherit: Vec::new(),
     })
+}
+
+/// `launch`, passing on the environment `[sandbox]` lets workers have.
+fn inheriting(launch: Launch, sandbox: &SandboxConfig) -> Launch {
+    Launch {
+        inherit: inherited_environment(&sandbox.pass_environment),
+        ..launch
+    }
 }
 
 /// The pool for the config's `[[rewards]]` and `[sandbox]`.
 pub fn pool_spec(loaded: &LoadedConfig, launch: Launch, ledger: Arc<FailureLedger>) -> PoolSpec {
     let config = &loaded.config;
     PoolSpec {
-        launch,
+        launch: inheriting(launch, &config.sandbox),
         rewards: config
             .rewards
             .iter()
@@ -67,7 +78,7 @@ pub fn environment_pool_spec(
     let config = &loaded.config;
     let environment = config.environment.as_ref()?;
     Some(EnvironmentPoolSpec {
-        launch,
+        launch: inheriting(launch, &config.sandbox),
         environment: EnvironmentSpec {
             plugin: environment.plugin.clone(),
             options: table_to_json(&environment.options),

@@ -22,6 +22,41 @@ pub enum Behaviour {
     DiesOnRequest,
     /// Never answers (its heartbeats go on).
     Hangs,
+    /// Answers at once, with its first completion broken this way.
+    Malformed(Malformation),
+}
+
+/// How a [`Behaviour::Malformed`] worker breaks its answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Malformation {
+    /// One logprob fewer than tokens.
+    ShortLogprobs,
+    /// A token id of `u32::MAX`, past any vocabulary.
+    OutOfVocabulary,
+    /// A weight version one past the newest it was sent.
+    ForgedVersion,
+    /// A NaN logprob.
+    NanLogprob,
+}
+
+impl Malformation {
+    pub const ALL: [Malformation; 4] = [
+        Self::ShortLogprobs,
+        Self::OutOfVocabulary,
+        Self::ForgedVersion,
+        Self::NanLogprob,
+    ];
+
+    fn apply(self, completion: &mut Completion) {
+        match self {
+            Self::ShortLogprobs => {
+                completion.logprobs.pop();
+            }
+            Self::OutOfVocabulary => completion.token_ids[0] = u32::MAX,
+            Self::ForgedVersion => completion.weight_version += 1,
+            Self::NanLogprob => completion.logprobs[0] = f32::NAN,
+        }
+    }
 }
 
 /// How a healthy fake worker answers a request.
@@ -105,7 +140,7 @@ pub async fn serve(
         match behaviour {
             Behaviour::DiesOnRequest => return,
             Behaviour::Hangs => held.push(incoming),
-            Behaviour::Healthy => {
+            Behaviour::Healthy | Behaviour::Malformed(_) => {
                 let Ok(request) = incoming.decode::<GenerateRequest>() else {
                     let _ = server
                         .responder
@@ -115,6 +150,11 @@ pub async fn serve(
                 let mut response = answer(&request);
                 for completion in response.groups.iter_mut().flatten() {
                     completion.weight_version = version;
+                }
+                if let (Behaviour::Malformed(how), Some(first)) =
+                    (behaviour, response.groups.iter_mut().flatten().next())
+                {
+                    how.apply(first);
                 }
                 if server
                     .responder

@@ -10,7 +10,7 @@ use futures_util::stream::FuturesUnordered;
 use rollout_core::config::ClusterConfig;
 use tokio::process::{Child, Command};
 
-use super::{ClusterError, SECRET_ENV};
+use super::ClusterError;
 
 /// One role process `rollout launch` started, and how to start it again.
 struct Role {
@@ -46,11 +46,11 @@ fn free_port() -> Result<u16, ClusterError> {
 }
 
 /// Starts `cluster.workers` generation workers and `cluster.trainers` trainer ranks of this
-/// same binary, connecting to `controller` with `secret`.
+/// same binary, connecting to `controller` with the secret in `secret_file`.
 pub fn spawn_roles(
     cluster: &ClusterConfig,
     controller: SocketAddr,
-    secret: &str,
+    secret_file: &std::path::Path,
     verbose: bool,
 ) -> Result<Children, ClusterError> {
     let exe = std::env::current_exe().map_err(ClusterError::Io)?;
@@ -85,8 +85,10 @@ pub fn spawn_roles(
         if verbose {
             command.arg("--verbose");
         }
-        if cluster.tls {
-            args.push("--tls".into());
+        match cluster.tls {
+            Some(true) => args.push("--tls".into()),
+            Some(false) => args.push("--no-tls".into()),
+            None => {}
         }
         command
             .args(&args)
@@ -95,7 +97,8 @@ pub fn spawn_roles(
             // A worker whose connection breaks connects again; if the launcher itself is
             // gone, it gives up soon.
             .args(["--connect-retry", "10"])
-            .env(SECRET_ENV, secret)
+            .arg("--secret-file")
+            .arg(secret_file)
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", master_port.to_string())
             // Their own process group: Ctrl-C reaches the controller alone, which finishes

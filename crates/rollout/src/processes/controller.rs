@@ -15,6 +15,7 @@ use rollout_core::config::{ClusterConfig, LoadedConfig};
 use rollout_core::telemetry::{Observed, RoleKind, Telemetry, WorkerHealth};
 use rollout_core::train::{Controller, PolicyRoles, Roles, Start, Summary, Trainees};
 use rollout_net::ClusterKey;
+use rollout_net::gate::Gate;
 use rollout_net::heard::HeardClock;
 use rollout_net::link::{Link, LinkLimits};
 use rollout_net::messages::{Done, Hello, Welcome};
@@ -27,15 +28,10 @@ use crate::session::open_services;
 
 /// The connection settings of a run's cluster section.
 pub fn link_limits(cluster: &ClusterConfig) -> Result<LinkLimits, ClusterError> {
-    let tls = if cluster.tls {
-        Some(rollout_net::tls::TlsContext::new()?)
-    } else {
-        None
-    };
     Ok(LinkLimits {
         heartbeat: Duration::from_secs_f64(cluster.heartbeat_seconds),
         peer_timeout: Duration::from_secs_f64(cluster.peer_timeout_seconds),
-        tls,
+        encryption: rollout_net::Encryption::from_setting(cluster.tls)?,
         ..LinkLimits::default()
     })
 }
@@ -50,35 +46,21 @@ fn controller_hello() -> Hello {
     }
 }
 
-/// Accepts connections for as long as the process lives; each must authenticate within the
-/// handshake timeout. Authenticated links are handed to `joined` while it is open.
+/// Accepts connections for as long as the process lives, through a [`Gate`] that bounds
+/// unauthenticated ones. Authenticated links are handed to `joined` while it is open.
 fn accept_roles(
     listener: TcpListener,
     key: ClusterKey,
     limits: LinkLimits,
 ) -> mpsc::Receiver<Link> {
     let (joined, links) = mpsc::channel(64);
-    tokio::spawn(async move {
-        loop {
-            let (stream, addr) = match listener.accept().await {
-                Ok(accepted) => accepted,
-                Err(err) => {
-                    tracing::warn!("accepting a connection failed: {err}");
-                    continue;
-                }
-            };
-            let (key, limits, joined) = (key.clone(), limits.clone(), joined.clone());
-            tokio::spawn(async move {
-                match Link::accept(stream, &key, &controller_hello(), &limits).await {
-                    Ok(link) => {
-                        let who = link.describe();
-                        if joined.send(link).await.is_err() {
-                            tracing::warn!("{who} connected, but the run is over");
-                        }
-                    }
-                    Err(err) => tracing::warn!("refused a connection from {addr}: {err}"),
-                }
-            });
+    Gate::new(key, controller_hello(), limits, "").serve(listener, move |link| {
+        let joined = joined.clone();
+        async move {
+            let who = link.describe();
+            if joined.send(link).await.is_err() {
+                tracing::warn!("{who} connected, but the run is over");
+            }
         }
     });
     links
@@ -118,8 +100,9 @@ pub async fn gather(
     let cluster = &loaded.config.cluster;
     let limit = Duration::from_secs_f64(cluster.join_timeout_seconds);
     let limits = link_limits(cluster)?;
-    if limits.tls.is_some() {
-        tracing::info!("links are encrypted (TLS 1.3, bound to the cluster secret)");
+    match limits.encryption {
+        rollout_net::Encryption::Never => tracing::warn!("{}", limits.encryption.describe()),
+        _ => tracing::info!("{}", limits.encryption.describe()),
     }
     let mut links = accept_roles(listener, key, limits);
     let mut workers: Vec<Link> = Vec::new();
@@ -193,6 +176,7 @@ pub async fn gather(
         join_timeout: limit,
         max_attempts: cluster.max_attempts,
         health: health.clone(),
+        vocabulary: rollout_core::plan::policy_vocabulary(loaded),
     };
     let workers = RemoteWorkers::new(workers, Ledger::new(Some(&journal)), settings);
     workers.admit_late_workers(links, config_toml);

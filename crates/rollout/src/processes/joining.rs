@@ -130,9 +130,14 @@ pub(super) async fn welcome(
 ) -> Result<Welcomed, ClusterError> {
     let link = connect_with_retry(args, &hello(role, args, info)).await?;
     tracing::info!(
-        "{role} `{}` connected to the controller at {}",
+        "{role} `{}` connected to the controller at {} ({})",
         args.name,
-        args.connect
+        args.connect,
+        if link.encrypted() {
+            "TLS 1.3"
+        } else {
+            "not encrypted"
+        }
     );
     let mut server = link.server();
     let incoming = server

@@ -4,13 +4,17 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use anyhow::Context;
+use std::path::Path;
+
 use rollout_core::config;
 use rollout_core::roles::RoleError;
 use rollout_core::telemetry;
 use rollout_core::train::{RunError, Start};
 
 use crate::interrupt::watch_ctrl_c;
+use rollout_net::ClusterKey;
+
+use super::secret::{self, RoleSecret, SECRET_ENV};
 use crate::processes::ClusterError;
 use crate::session::format_summary;
 
@@ -22,20 +26,7 @@ pub(crate) async fn launch(
     external_roles: bool,
 ) -> anyhow::Result<()> {
     let cluster_config = &loaded.config.cluster;
-    let secret = match (
-        &cluster_config.secret_file,
-        std::env::var(super::SECRET_ENV),
-    ) {
-        (Some(path), _) => std::fs::read_to_string(path)
-            .with_context(|| format!("cannot read the cluster secret {}", path.display()))?,
-        (None, Ok(secret)) => secret,
-        (None, Err(_)) if !external_roles => rollout_net::ClusterKey::random_secret(),
-        (None, Err(_)) => anyhow::bail!(
-            "roles started elsewhere must prove a shared secret: set [cluster] secret_file or {}",
-            super::SECRET_ENV
-        ),
-    };
-    let key = rollout_net::ClusterKey::from_secret(secret.as_bytes())?;
+    let (key, secret) = run_secret(cluster_config.secret_file.as_deref(), external_roles)?;
     let interrupted = watch_ctrl_c();
     // One server for every attempt: the series go on across restarts of the roles.
     let metrics = telemetry::start(&loaded.config.metrics).await?;
@@ -45,8 +36,7 @@ pub(crate) async fn launch(
     loop {
         let roles = Launched {
             key: &key,
-            secret: &secret,
-            external_roles,
+            secret: secret.as_ref().map(|secret| secret.file.as_path()),
             telemetry,
         };
         let attempt = launch_once(&loaded, start, roles, &interrupted);
@@ -70,6 +60,39 @@ pub(crate) async fn launch(
         );
         start = Start::Resume;
     }
+}
+
+/// The run's key and, unless the roles are started elsewhere, the file they read it from:
+/// `[cluster] secret_file`, else a private copy of `ROLLOUT_CLUSTER_SECRET` or of a random
+/// secret.
+fn run_secret(
+    configured: Option<&Path>,
+    external_roles: bool,
+) -> Result<(ClusterKey, Option<RoleSecret>), ClusterError> {
+    if let Some(path) = configured {
+        let key = ClusterKey::from_secret(&secret::read_file(path)?)?;
+        return Ok((
+            key,
+            (!external_roles).then(|| RoleSecret::configured(path.to_owned())),
+        ));
+    }
+    let text = match secret::from_environment() {
+        Some(text) => text.to_owned(),
+        None if !external_roles => ClusterKey::random_secret(),
+        None => {
+            return Err(ClusterError::Secret(format!(
+                "roles started elsewhere must prove a shared secret: set [cluster] secret_file \
+                 or {SECRET_ENV}"
+            )));
+        }
+    };
+    let key = ClusterKey::from_secret(text.as_bytes())?;
+    let file = if external_roles {
+        None
+    } else {
+        Some(RoleSecret::private(&text)?)
+    };
+    Ok((key, file))
 }
 
 /// How one launch of a run's processes ended.
@@ -96,8 +119,8 @@ fn is_role_loss(err: &ClusterError) -> bool {
 #[derive(Clone, Copy)]
 struct Launched<'a> {
     key: &'a rollout_net::ClusterKey,
-    secret: &'a str,
-    external_roles: bool,
+    /// The file the roles read the secret from; `None` when the roles are started elsewhere.
+    secret: Option<&'a Path>,
     /// Where `/metrics` shows the roles' health, when it is served.
     telemetry: Option<&'a telemetry::Telemetry>,
 }
@@ -120,17 +143,17 @@ async fn launch_once(
         "{}",
         super::controller::describe_listener(&listener, &loaded.path)
     );
-    let mut children = if launched.external_roles {
-        None
-    } else {
+    let mut children = if let Some(secret) = launched.secret {
         let Ok(address) = listener.local_addr() else {
             return Attempt::Finished(Err(anyhow::anyhow!("the listener has no address")));
         };
         let debug = tracing::enabled!(tracing::Level::DEBUG);
-        match spawn_roles(cluster_config, address, launched.secret, debug) {
+        match spawn_roles(cluster_config, address, secret, debug) {
             Ok(children) => Some(children),
             Err(err) => return Attempt::Finished(Err(err.into())),
         }
+    } else {
+        None
     };
     let key = launched.key.clone();
     let telemetry = launched.telemetry;

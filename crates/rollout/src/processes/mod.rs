@@ -8,10 +8,11 @@ pub mod children;
 pub mod controller;
 pub mod joining;
 pub mod launch;
+pub mod secret;
 pub mod trainer;
 pub mod worker;
 
-use rollout_net::{AuthError, ClusterKey, NetError};
+use rollout_net::{AuthError, NetError};
 
 use rollout_core::cluster::weights;
 use rollout_core::config::ConfigError;
@@ -52,28 +53,4 @@ pub enum ClusterError {
     Secret(String),
     #[error("{0}")]
     Io(std::io::Error),
-}
-
-/// The environment variable holding the cluster secret.
-pub const SECRET_ENV: &str = "ROLLOUT_CLUSTER_SECRET";
-
-/// The cluster key from `secret_file`, else `ROLLOUT_CLUSTER_SECRET`.
-pub fn cluster_key(secret_file: Option<&std::path::Path>) -> Result<ClusterKey, ClusterError> {
-    let secret = match secret_file {
-        Some(path) => std::fs::read(path).map_err(|err| {
-            ClusterError::Secret(format!(
-                "cannot read the cluster secret {}: {err}",
-                path.display()
-            ))
-        })?,
-        None => std::env::var(SECRET_ENV)
-            .map_err(|_| {
-                ClusterError::Secret(format!(
-                    "no cluster secret: set {SECRET_ENV} or pass --secret-file (every process \
-                     of a run must know the same secret)"
-                ))
-            })?
-            .into_bytes(),
-    };
-    Ok(ClusterKey::from_secret(&secret)?)
 }

@@ -11,6 +11,9 @@ use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
 use rollout_net::messages::{Completion, GenerateRequest, GenerateResponse};
 
+use std::sync::atomic::Ordering;
+
+use super::checks::{Expected, check_group};
 use super::{Member, Shared, is_loss, journal_error, lock};
 use crate::cluster::remote::send;
 use crate::roles::RoleError;
@@ -89,8 +92,36 @@ impl Shared {
         Ok((shares, dropped))
     }
 
-    /// Accepts a worker's answer lease by lease; returns the positions whose answer was
-    /// rejected (to be generated again).
+    /// Why `response` cannot be used for `share` of `request`, if it cannot.
+    fn check_answer(
+        &self,
+        request: &GenerateRequest,
+        share: &Share,
+        response: &GenerateResponse,
+    ) -> Result<(), String> {
+        if response.groups.len() != share.positions.len() {
+            return Err(format!(
+                "{} groups for {} prompts",
+                response.groups.len(),
+                share.positions.len()
+            ));
+        }
+        let newest_version = share.member.newest_version.load(Ordering::SeqCst);
+        for (&position, group) in share.positions.iter().zip(&response.groups) {
+            let expected = Expected {
+                prompt: &request.prompts[position],
+                sampling: &request.sampling,
+                newest_version,
+                vocabulary: self.settings.vocabulary,
+            };
+            check_group(&expected, group)
+                .map_err(|reason| format!("prompt {position}: {reason}"))?;
+        }
+        Ok(())
+    }
+
+    /// Accepts a worker's checked answer lease by lease; returns the positions whose answer
+    /// was rejected as late (to be generated again).
     fn accept(
         &self,
         request: &GenerateRequest,
@@ -98,14 +129,6 @@ impl Shared {
         response: GenerateResponse,
         results: &mut [Option<Vec<Completion>>],
     ) -> Result<Vec<usize>, RoleError> {
-        if response.groups.len() != share.positions.len() {
-            return Err(RoleError::Protocol(format!(
-                "{} answered {} groups for {} prompts",
-                share.member.name,
-                response.groups.len(),
-                share.positions.len()
-            )));
-        }
         let mut ledger = lock(&self.ledger);
         let now = Instant::now();
         let mut again = Vec::new();
@@ -129,6 +152,21 @@ impl Shared {
             .entry(share.member.name.clone())
             .or_default() += completions;
         Ok(again)
+    }
+
+    /// Refuses a malformed answer: its worker is sent away, its leases are revoked and its
+    /// prompts leased again.
+    fn refuse(
+        &self,
+        generation: &mut Generation,
+        share: Share,
+        reason: String,
+    ) -> Result<(), RoleError> {
+        self.send_away(&share.member, &reason);
+        self.revoke(&share, &RoleError::Protocol(reason))?;
+        lock(&self.tally).malformed += 1;
+        generation.pending.extend(share.positions);
+        Ok(())
     }
 
     fn revoke(&self, share: &Share, err: &RoleError) -> Result<(), RoleError> {
@@ -222,6 +260,10 @@ impl Shared {
             };
             match result {
                 Ok(response) => {
+                    if let Err(reason) = self.check_answer(&generation.request, &share, &response) {
+                        self.refuse(&mut generation, share, reason)?;
+                        continue;
+                    }
                     generation.parts.push(response.metrics.clone());
                     let again = self.accept(
                         &generation.request,
@@ -236,6 +278,8 @@ impl Shared {
                     self.revoke(&share, &err)?;
                     generation.pending.extend(share.positions);
                 }
+                // An answer that does not even decode (a NaN logprob is JSON `null`).
+                Err(RoleError::Protocol(reason)) => self.refuse(&mut generation, share, reason)?,
                 Err(err) => return Err(err),
             }
         }

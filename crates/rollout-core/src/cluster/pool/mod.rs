@@ -8,11 +8,12 @@
 //! newest weights, and only then get work. Weight versions travel along a chain of the
 //! live workers.
 
+mod checks;
 mod generation;
 mod sync;
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -41,6 +42,8 @@ pub struct PoolSettings {
     pub max_attempts: u32,
     /// Where joins and losses are reported (`/metrics`); the default records nothing.
     pub health: WorkerHealth,
+    /// The policy's vocabulary size: completions with token ids past it are refused.
+    pub vocabulary: Option<u64>,
 }
 
 impl Default for PoolSettings {
@@ -50,6 +53,7 @@ impl Default for PoolSettings {
             join_timeout: Duration::from_secs(300),
             max_attempts: 3,
             health: WorkerHealth::default(),
+            vocabulary: None,
         }
     }
 }
@@ -57,6 +61,8 @@ impl Default for PoolSettings {
 struct Member {
     name: String,
     client: RpcClient,
+    /// The newest weight version sent to it: its completions may not claim a newer one.
+    newest_version: AtomicU64,
 }
 
 impl Member {
@@ -64,7 +70,12 @@ impl Member {
         Arc::new(Self {
             name: client.peer().name.clone(),
             client,
+            newest_version: AtomicU64::new(0),
         })
+    }
+
+    fn sent_version(&self, version: u64) {
+        self.newest_version.fetch_max(version, Ordering::SeqCst);
     }
 
     /// The address this worker serves weights on, as it announced in its greeting.
@@ -76,11 +87,13 @@ impl Member {
     }
 }
 
-/// Joins and losses since the last report, and completions per worker.
+/// Joins and losses since the last report, answers refused as malformed, and completions
+/// per worker.
 #[derive(Default)]
 struct Tally {
     joined: u64,
     lost: u64,
+    malformed: u64,
     completions: BTreeMap<String, u64>,
 }
 
@@ -237,6 +250,7 @@ impl Shared {
             weights: weights.clone(),
         };
         let pull = send::<_, WeightsReport>(&member.client, &request);
+        member.sent_version(weights.version);
         let report = tokio::time::timeout(limit, pull)
             .await
             .map_err(|_| self.timed_out(member, limit))??;
@@ -266,6 +280,17 @@ impl Shared {
                 members.len()
             );
         }
+    }
+
+    /// Takes `member` out of the pool for a malformed answer and shuts it down: an
+    /// authenticated worker that breaks the protocol is not trusted with more work.
+    fn send_away(&self, member: &Arc<Member>, reason: &str) {
+        let err = RoleError::Protocol(format!("sent a malformed answer: {reason}"));
+        self.lose(member, &err);
+        let (member, reason) = (member.clone(), err.to_string());
+        tokio::spawn(async move {
+            let _ = send::<_, Done>(&member.client, &Shutdown { reason }).await;
+        });
     }
 
     /// The live workers, waiting up to the join timeout for one when none is left.
@@ -317,6 +342,7 @@ impl Shared {
             ("leases".to_owned(), leased as f64),
             ("leases_revoked".to_owned(), revoked as f64),
             ("answers_rejected".to_owned(), rejected as f64),
+            ("answers_malformed".to_owned(), tally.malformed as f64),
         ]);
         for (name, count) in tally.completions {
             metrics.insert(format!("worker_completions/{name}"), count as f64);

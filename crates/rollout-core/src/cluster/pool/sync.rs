@@ -28,6 +28,7 @@ impl Shared {
         let calls: Vec<_> = members
             .iter()
             .map(|member| {
+                member.sent_version(weights.version);
                 let request = SyncWeights {
                     weights: WeightsReport {
                         source: std::mem::replace(&mut source, member.weights_address()),
