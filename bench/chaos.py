@@ -2,11 +2,14 @@
 
 Writes bench/results/chaos.json. Run `bench/chaos` (it sets up the environment).
 
-- Worker kills: `rollout launch` with 3 generation workers; every `--kill-interval` seconds a
-  random live worker is killed with SIGKILL (the launcher restarts it). Afterwards the
-  ledger is audited (groups lost, trained twice), recovery is measured from the ledger
-  (kill -> the killed worker's groups leased again) and the log (kill -> worker rejoined),
-  and throughput is compared with the same run without kills.
+- Worker kills, twice: with configs/distributed.toml's cluster settings (asynchronous,
+  `max_staleness = 1`, two data-parallel trainer ranks: what users run) and synchronously
+  (`max_staleness = 0`, one trainer). `rollout launch` with 3 generation workers; every
+  `--kill-interval` seconds a random live worker is killed with SIGKILL (the launcher
+  restarts it), so kills land in every phase (generation, weight sync, a restarted worker's
+  warm start). Afterwards the ledger is audited (groups lost, trained twice), recovery is
+  measured from the ledger (kill -> the killed worker's groups leased again) and the log
+  (kill -> worker rejoined), and throughput is compared with the same run without kills.
 - A stopped worker (SIGSTOP): found by its silence, its groups leased again.
 - Controller restarts: the launcher is killed with SIGKILL and started again with `--resume`;
   the learning metrics must equal an uninterrupted run's (1 worker, staleness 0).
@@ -33,6 +36,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import tomllib
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -44,7 +49,13 @@ ROLLOUT = REPO / "target" / "release" / "rollout"
 PROMPTS_PER_STEP = 8
 # Metrics that describe the pool or wall time, not what was learned.
 NOT_LEARNING = ("seconds", "per_second", "overhead_fraction", "engine/kv", "worker")
-POOL = {"leases", "leases_revoked", "answers_rejected", "groups_dropped"}
+POOL = {"leases", "leases_revoked", "answers_rejected", "answers_malformed", "groups_dropped"}
+# The cluster settings users run: configs/distributed.toml's.
+SHIPPED_CLUSTER = tomllib.loads((REPO / "configs" / "distributed.toml").read_text())["cluster"]
+KILL_SETTINGS = {
+    "distributed": {**SHIPPED_CLUSTER, "workers": 3},
+    "synchronous": {"workers": 3, "trainers": 1, "max_staleness": 0},
+}
 
 
 def config(work: Path, name: str, model: Path, data: Path, steps: int, **cluster: Any) -> Path:
@@ -184,17 +195,24 @@ def rejoin_seconds(log: str, kills: list[tuple[float, str]]) -> list[float]:
 
 
 def worker_kills(
-    work: Path, model: Path, data: Path, groups: int, interval: float, seed: int
+    work: Path,
+    model: Path,
+    data: Path,
+    groups: int,
+    interval: float,
+    seed: int,
+    name: str,
+    cluster: dict[str, Any],
 ) -> dict[str, Any]:
     steps = math.ceil(groups / PROMPTS_PER_STEP)
-    baseline_path = config(work, "kills-baseline", model, data, steps, workers=3)
+    baseline_path = config(work, f"{name}-baseline", model, data, steps, **cluster)
     started = time.monotonic()
     baseline = Launch(baseline_path)
     baseline.wait()
     baseline_seconds = time.monotonic() - started
 
-    path = config(work, "kills", model, data, steps, workers=3, max_worker_restarts=1000)
-    output = work / "kills"
+    path = config(work, name, model, data, steps, **cluster, max_worker_restarts=1000)
+    output = work / name
     started = time.monotonic()
     launch = Launch(path)
     wait_until(lambda: steps_done(output) >= 1, launch, "first step")
@@ -219,8 +237,15 @@ def worker_kills(
     found = audit(output)
     recovered = recoveries(journal(output), kills)
     rejoined = rejoin_seconds(launch.text(), kills)
+    lines = metrics(output)
     return {
+        "cluster": cluster,
+        "steps": len(lines),
+        "completed": len(lines) == steps,
         "prompt_groups": found["groups_trained"],
+        "stale_groups_regenerated": sum(line.get("stale_groups_regenerated", 0) for line in lines),
+        "stale_groups_dropped": sum(line.get("stale_groups_dropped", 0) for line in lines),
+        "staleness_max": max(line.get("staleness_max", 0) for line in lines),
         "kills": len(kills),
         "audit": found,
         "recovery_seconds": recovered,
@@ -232,6 +257,48 @@ def worker_kills(
         # The same work without kills over the same work with them (wall time, start to end).
         "throughput_fraction": baseline_seconds / chaos_seconds,
     }
+
+
+def kill_summary(kills: dict[str, Any]) -> dict[str, Any]:
+    recovery = kills["recovery_seconds"] or [0.0]
+    return {
+        "cluster": kills["cluster"],
+        "completed": kills["completed"],
+        "prompt_groups": kills["prompt_groups"],
+        "kills": kills["kills"],
+        "groups_lost": kills["audit"]["groups_lost"],
+        "groups_duplicated": kills["audit"]["groups_duplicated"],
+        "stale_groups_regenerated": kills["stale_groups_regenerated"],
+        "stale_groups_dropped": kills["stale_groups_dropped"],
+        "staleness_max": kills["staleness_max"],
+        "recovery_seconds_p50": statistics.median(recovery),
+        "recovery_seconds_max": max(recovery),
+        "rejoin_seconds_p50": statistics.median(kills["rejoin_seconds"] or [0.0]),
+        "throughput_fraction_under_kills": kills["throughput_fraction"],
+    }
+
+
+OTHER_CASES = (
+    "stopped_worker_detection_seconds",
+    "controller_restarts",
+    "controller_restart_exact",
+    "trainer_restart_exact",
+    "fuzz_inputs",
+    "fuzz_panics",
+)
+
+
+def keep_other_cases(previous: dict[str, Any], results: dict[str, Any], details: dict[str, Any]) -> list[Any]:
+    """With --only-kills: the other cases' results of the previous run, kept as they were
+    (with their date); returns their audits."""
+    results |= {key: previous[key] for key in OTHER_CASES if key in previous}
+    earlier = previous["details"]
+    kept = {key: earlier[key] for key in ("stopped", "restarts", "fuzz") if key in earlier}
+    details["kept_from_previous_run"] = {"measured": previous.get("measured"), **kept}
+    audits = [kept["stopped"]["audit"]] if "stopped" in kept else []
+    if "restarts" in kept:
+        audits += [kept["restarts"]["controller"]["audit"], kept["restarts"]["trainer"]["audit"]]
+    return audits
 
 
 def stopped_worker(work: Path, model: Path, data: Path, steps: int) -> dict[str, Any]:
@@ -321,7 +388,10 @@ def fuzz(inputs: int) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, default=REPO / "bench" / ".work" / "chaos")
-    parser.add_argument("--groups", type=int, default=2400, help="prompt groups in the worker-kill run")
+    parser.add_argument("--groups", type=int, default=2400, help="prompt groups in each worker-kill run")
+    parser.add_argument(
+        "--only-kills", action="store_true", help="the worker-kill campaigns only (no restarts, no fuzzing)"
+    )
     parser.add_argument("--kill-interval", type=float, default=2.0, help="seconds between worker kills")
     parser.add_argument("--controller-restarts", type=int, default=2)
     parser.add_argument("--fuzz-inputs", type=int, default=1_000_000)
@@ -336,42 +406,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = work / "model"
     create_tiny_model(model, hidden_size=32, num_layers=2, num_heads=2, max_positions=64, seed=0)
 
-    print("worker kills", flush=True)
-    kills = worker_kills(work, model, data, args.groups, args.kill_interval, args.seed)
-    print("a stopped worker", flush=True)
-    stopped = stopped_worker(work, model, data, steps=30)
-    print("controller and trainer restarts", flush=True)
-    restarted = restarts(
-        work, model, data, steps=40, restarts_wanted=args.controller_restarts, seed=args.seed
-    )
-    print("fuzzing", flush=True)
-    fuzzed = fuzz(args.fuzz_inputs)
-
-    audits = [
-        kills["audit"],
-        stopped["audit"],
-        restarted["controller"]["audit"],
-        restarted["trainer"]["audit"],
-    ]
-    recovery = kills["recovery_seconds"] or [0.0]
-    results = {
-        "machine": {"cpus": os.cpu_count()},
-        "prompt_groups": kills["prompt_groups"],
-        "kills": kills["kills"],
-        "groups_lost": sum(a["groups_lost"] for a in audits),
-        "groups_duplicated": sum(a["groups_duplicated"] for a in audits),
-        "recovery_seconds_p50": statistics.median(recovery),
-        "recovery_seconds_max": max(recovery),
-        "rejoin_seconds_p50": statistics.median(kills["rejoin_seconds"] or [0.0]),
-        "throughput_fraction_under_kills": kills["throughput_fraction"],
-        "stopped_worker_detection_seconds": stopped["detection_seconds"],
-        "controller_restarts": restarted["controller"]["restarts"],
-        "controller_restart_exact": restarted["controller"]["exact"],
-        "trainer_restart_exact": restarted["trainer"]["exact"],
-        "fuzz_inputs": fuzzed["fuzz_inputs"],
-        "fuzz_panics": fuzzed["fuzz_panics"],
-        "details": {"kills": kills, "stopped": stopped, "restarts": restarted, "fuzz": fuzzed},
-    }
+    campaigns = {}
+    for name, cluster in KILL_SETTINGS.items():
+        print(f"worker kills ({name}: {cluster})", flush=True)
+        campaigns[name] = worker_kills(
+            work, model, data, args.groups, args.kill_interval, args.seed, f"kills-{name}", cluster
+        )
+    results: dict[str, Any] = {"machine": {"cpus": os.cpu_count()}, "measured": datetime.now().isoformat()}
+    results["worker_kills"] = {name: kill_summary(kills) for name, kills in campaigns.items()}
+    audits = [kills["audit"] for kills in campaigns.values()]
+    details: dict[str, Any] = {"kills": campaigns}
+    if not args.only_kills:
+        print("a stopped worker", flush=True)
+        stopped = stopped_worker(work, model, data, steps=30)
+        print("controller and trainer restarts", flush=True)
+        restarted = restarts(
+            work, model, data, steps=40, restarts_wanted=args.controller_restarts, seed=args.seed
+        )
+        print("fuzzing", flush=True)
+        fuzzed = fuzz(args.fuzz_inputs)
+        audits += [stopped["audit"], restarted["controller"]["audit"], restarted["trainer"]["audit"]]
+        results |= {
+            "stopped_worker_detection_seconds": stopped["detection_seconds"],
+            "controller_restarts": restarted["controller"]["restarts"],
+            "controller_restart_exact": restarted["controller"]["exact"],
+            "trainer_restart_exact": restarted["trainer"]["exact"],
+            "fuzz_inputs": fuzzed["fuzz_inputs"],
+            "fuzz_panics": fuzzed["fuzz_panics"],
+        }
+        details |= {"stopped": stopped, "restarts": restarted, "fuzz": fuzzed}
+    elif RESULTS.exists():
+        audits += keep_other_cases(json.loads(RESULTS.read_text()), results, details)
+    results["groups_lost"] = sum(a["groups_lost"] for a in audits)
+    results["groups_duplicated"] = sum(a["groups_duplicated"] for a in audits)
+    results["details"] = details
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps({k: v for k, v in results.items() if k != "details"}, indent=2))

@@ -174,6 +174,8 @@ class HFCausalLM(Policy):
         return [prefix + list(ids) for ids in encoded]
 
     def decode(self, token_ids: Sequence[Sequence[int]]) -> list[str]:
+        if not token_ids:  # batch_decode([]) returns [""] in transformers 5
+            return []
         return self.tokenizer.batch_decode(
             [list(map(int, ids)) for ids in token_ids], skip_special_tokens=True
         )

@@ -74,6 +74,10 @@ class StepMetrics(_EveryStep, total=False):
     #: DAPO dynamic sampling: groups replaced, and the rounds it took.
     refilled_groups: int
     refill_rounds: int
+    #: Groups generated again for lagging past `cluster.max_staleness`, and those still
+    #: stale after the last round, left out of the update.
+    stale_groups_regenerated: int
+    stale_groups_dropped: int
     micro_batches: int
     trained_rows: int
     #: Rows with exactly zero advantage, left out of the update.

@@ -46,6 +46,8 @@ def test_describe_and_special_tokens(tiny_model_dir):
     assert policy.eos_token_ids() == [tokenizer.eos_token_id]
     assert policy.encode(["12+3="]) == [tokenizer("12+3=", add_special_tokens=False)["input_ids"]]
     assert policy.decode([[*policy.encode(["12+3="])[0], tokenizer.eos_token_id]]) == ["12+3="]
+    # No sequences, no texts (a step whose groups were all dropped decodes nothing).
+    assert policy.encode([]) == [] and policy.decode([]) == []
 
 
 def test_encode_keeps_a_default_bos_but_no_other_special_tokens(tmp_path):

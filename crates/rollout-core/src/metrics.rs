@@ -108,6 +108,10 @@ step_metrics! {
             /// DAPO dynamic sampling: groups replaced, and the rounds it took.
             refilled_groups: u64,
             refill_rounds: u32,
+            /// Groups generated again for lagging past `cluster.max_staleness`, and those
+            /// still stale after the last round, left out of the update.
+            stale_groups_regenerated: u64,
+            stale_groups_dropped: u64,
             micro_batches: u64,
             trained_rows: u64,
             /// Rows with exactly zero advantage, left out of the update.

@@ -326,7 +326,59 @@ async fn samples_lag_at_most_max_staleness_versions_and_generation_waits_for_the
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_generator_that_falls_behind_fails_the_run_at_the_staleness_bound() {
+async fn groups_past_the_staleness_bound_are_generated_again_and_counted() {
+    let output = tempfile::tempdir().unwrap();
+    let mut fakes = Fakes::new(FakeLearner::default().with_weight_sync());
+    // Step 4's first answer comes from weights 3 versions old (a worker that rejoined on old
+    // weights): past the bound of 1, so its groups are generated again.
+    fakes.policy = FakePolicy::holding_weights().lagging_once(4, 3);
+    fakes
+        .run(
+            &run_config(output.path(), 6, 0, "[cluster]\nmax_staleness = 1"),
+            Start::Fresh,
+        )
+        .await
+        .unwrap();
+    let lines = metrics(output.path());
+    let regenerated: Vec<u64> = lines
+        .iter()
+        .map(|line| line.stale_groups_regenerated.unwrap())
+        .collect();
+    assert_eq!(regenerated, [0, 0, 0, 2, 0, 0], "{lines:?}");
+    for line in &lines {
+        assert_eq!(line.stale_groups_dropped, Some(0));
+        assert!(line.staleness_max.unwrap() <= 1, "{line:?}");
+        assert_eq!(line.completions, Some(4), "{line:?}");
+    }
+    // Step 4's groups were generated twice: once stale, once on current weights.
+    let step_four: Vec<u64> = fakes
+        .policy
+        .generated()
+        .into_iter()
+        .filter(|&(step, _)| step == 4)
+        .map(|(_, version)| version)
+        .collect();
+    assert_eq!(step_four.len(), 4, "{step_four:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trainer_answer_that_moves_the_weight_version_back_ends_the_run() {
+    let output = tempfile::tempdir().unwrap();
+    let fakes = Fakes::new(FakeLearner::default().claiming_version(3, 1));
+    let err = fakes
+        .run(&run_config(output.path(), 5, 0, ""), Start::Fresh)
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("step 3: the trainer answered with weight version 1, older than the 2"),
+        "{err}"
+    );
+    assert_eq!(metrics(output.path()).len(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_generator_that_never_catches_up_ends_the_run_after_bounded_regeneration() {
     let output = tempfile::tempdir().unwrap();
     let fakes = Fakes::new(FakeLearner::default().with_weight_sync());
     // Its weights never move: version 0 whatever it is sent.
@@ -338,7 +390,10 @@ async fn a_generator_that_falls_behind_fails_the_run_at_the_staleness_bound() {
         .unwrap_err()
         .to_string();
     assert!(
-        err.contains("step 3: a sample generated with weights 0 is 2 versions behind"),
+        err.contains(
+            "step 3: no group within cluster.max_staleness = 1 of the trainer's version 2 \
+             after 3 rounds of generation"
+        ),
         "{err}"
     );
 }

@@ -120,6 +120,36 @@ async fn a_worker_lost_mid_request_has_its_groups_generated_by_the_others() {
 }
 
 #[tokio::test]
+async fn a_worker_whose_connection_ends_leaves_the_pool_without_being_called() {
+    let dir = tempfile::tempdir().unwrap();
+    let telemetry = Telemetry::new();
+    let settings = PoolSettings {
+        health: telemetry.health(),
+        ..PoolSettings::default()
+    };
+    let journal = dir.path().join("ledger.jsonl");
+    let workers = pool(&[Behaviour::Healthy, Behaviour::Leaves], settings, &journal).await;
+    // No request is made: the pool notices the closed connection by itself.
+    let down = "rollout_worker_up{role=\"worker\",worker=\"fake-1\"} 0";
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !telemetry.render().unwrap().lines().any(|line| line == down) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "fake-1 was never noticed leaving"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let metrics = workers.step_trained(1).await.unwrap();
+    assert_eq!((metrics["workers"], metrics["workers_lost"]), (1.0, 1.0));
+    let response = workers.generate(request(2, 4)).await.unwrap();
+    assert_every_prompt_answered(&response, 4);
+    assert_eq!(
+        workers.step_trained(2).await.unwrap()["leases_revoked"],
+        0.0
+    );
+}
+
+#[tokio::test]
 async fn a_worker_that_sends_a_malformed_answer_loses_its_leases_and_its_place() {
     for malformation in Malformation::ALL {
         let dir = tempfile::tempdir().unwrap();

@@ -12,7 +12,7 @@ use bytes::{Bytes, BytesMut};
 use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncWriteExt, ReadHalf, WriteHalf};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio_util::codec::{Framed, FramedRead};
 
 use crate::frame::{Frame, FrameCodec, FrameError};
@@ -86,6 +86,7 @@ fn start_client(
     let shared = Arc::new(ClientShared {
         pending: Mutex::new(HashMap::new()),
         lost: Mutex::new(None),
+        ended: Notify::new(),
         peer: peer.clone(),
         heard: HeardClock::starting_now(),
     });
@@ -202,6 +203,8 @@ struct ClientShared {
     pending: Mutex<HashMap<u64, Pending>>,
     /// Why the connection ended, once it has.
     lost: Mutex<Option<NetError>>,
+    /// Woken when the connection ends.
+    ended: Notify,
     peer: String,
     heard: HeardClock,
 }
@@ -226,6 +229,7 @@ impl ClientShared {
         for entry in pending {
             let _ = entry.replies.send(Err(err.clone()));
         }
+        self.ended.notify_waiters();
     }
 
     fn lost(&self) -> Option<NetError> {
@@ -330,6 +334,20 @@ pub struct RpcClient {
 }
 
 impl RpcClient {
+    /// Resolves when the connection ends (closed, broken, silent past the peer timeout),
+    /// with the reason; at once if it has.
+    pub async fn lost(&self) -> NetError {
+        loop {
+            let ended = self.shared.ended.notified();
+            tokio::pin!(ended);
+            ended.as_mut().enable();
+            if let Some(err) = self.shared.lost() {
+                return err;
+            }
+            ended.await;
+        }
+    }
+
     /// Who answers.
     pub fn peer(&self) -> &Hello {
         &self.hello

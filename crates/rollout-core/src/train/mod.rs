@@ -25,6 +25,7 @@ mod rl_step;
 mod run_output;
 mod sampler;
 mod sft;
+mod stale;
 mod state;
 mod step_logs;
 mod step_report;
@@ -313,6 +314,14 @@ impl<'a> Controller<'a> {
         } = done;
         metrics.elapsed_seconds = started.elapsed().as_secs_f64();
         let step = metrics.step;
+        if metrics.weight_version < self.state.weight_version {
+            return Err(RoleError::Protocol(format!(
+                "step {step}: the trainer answered with weight version {}, older than the {} \
+                 it already had",
+                metrics.weight_version, self.state.weight_version
+            ))
+            .into());
+        }
         self.state.step = step;
         self.state.data = position;
         self.state.weight_version = metrics.weight_version;

@@ -62,9 +62,30 @@ fn flat_groups(collected: &Collected) -> Vec<usize> {
 }
 
 impl Collected {
+    /// No samples: what replaces groups that are left out.
+    pub(super) fn empty() -> Self {
+        Collected {
+            records: Vec::new(),
+            trajectories: Vec::new(),
+            completions: Vec::new(),
+            rewards: Vec::new(),
+            components: Vec::new(),
+            advantages: Vec::new(),
+            failures: Vec::new(),
+            zero_std_groups: 0,
+            refilled_groups: 0,
+            refill_rounds: 0,
+            stale_groups_regenerated: 0,
+            stale_groups_dropped: 0,
+            generate_seconds: 0.0,
+            score_seconds: 0.0,
+            generator_metrics: Default::default(),
+        }
+    }
+
     /// Drops the samples of `groups` and appends `more`'s; times add up and generator
     /// measurements merge.
-    fn replace_groups(&mut self, groups: &[usize], more: Collected) {
+    pub(super) fn replace_groups(&mut self, groups: &[usize], more: Collected) {
         let keep: Vec<bool> = self
             .trajectories
             .iter()

@@ -9,7 +9,7 @@ use serde_json::Value;
 use tracing::Instrument;
 
 use super::pipeline::{Pipeline, StepSamples};
-use super::sampler::{Collected, Sampler, Trajectory};
+use super::sampler::{Collected, Sampler};
 use super::step_report::StepReport;
 use super::{Controller, PackingStats, RunError, TrainSequence, micro_batches, ppo};
 use crate::config::{Algorithm, Config};
@@ -74,9 +74,17 @@ impl<'a> Controller<'a> {
             collected,
             ..
         } = samples;
-        let collected = collected?;
+        let mut collected = collected?;
         let trained_version = self.state.weight_version;
-        self.check_staleness(step, &collected.trajectories)?;
+        let seed = crate::seeds::mix(self.config.run.seed, 1000 + step);
+        sampler
+            .regenerate_stale(
+                &mut collected,
+                step,
+                (trained_version, self.max_staleness()),
+                seed,
+            )
+            .await?;
 
         let training = Instant::now();
         let (batches, packing) = self
@@ -117,24 +125,6 @@ impl<'a> Controller<'a> {
             has_environment: sampler.roles.environments.is_some(),
         };
         Ok(report.into_lines(sampler, self.config.run.log_samples))
-    }
-
-    fn check_staleness(&self, step: u64, trajectories: &[Trajectory]) -> Result<(), RunError> {
-        let trained_version = self.state.weight_version;
-        let max_staleness = trajectories
-            .iter()
-            .map(|t| trained_version.saturating_sub(t.weight_version))
-            .max()
-            .unwrap_or(0);
-        if max_staleness > self.max_staleness() {
-            return Err(RunError::Data(format!(
-                "step {step}: a sample generated with weights {} is {max_staleness} versions \
-                 behind the trainer ({trained_version}), past cluster.max_staleness = {}",
-                trained_version - max_staleness,
-                self.max_staleness()
-            )));
-        }
-        Ok(())
     }
 
     /// The step's samples as micro-batches of its objective. A sample whose reward failed

@@ -43,6 +43,9 @@ pub(super) struct Collected {
     /// Dynamic sampling: groups without reward spread replaced, and the rounds it took.
     pub refilled_groups: usize,
     pub refill_rounds: u32,
+    /// Groups generated again, or left out, for lagging past `cluster.max_staleness`.
+    pub stale_groups_regenerated: usize,
+    pub stale_groups_dropped: usize,
     pub generate_seconds: f64,
     pub score_seconds: f64,
     /// The generator's own measurements, merged over the step's generation requests.
@@ -193,6 +196,8 @@ impl<'a> Sampler<'a> {
             zero_std_groups: 0,
             refilled_groups: 0,
             refill_rounds: 0,
+            stale_groups_regenerated: 0,
+            stale_groups_dropped: 0,
             generate_seconds,
             score_seconds,
             generator_metrics,
@@ -200,7 +205,7 @@ impl<'a> Sampler<'a> {
     }
 
     /// The advantages of the collected samples, groups numbered in order of appearance.
-    fn compute_advantages(&self, collected: &mut Collected) {
+    pub(super) fn compute_advantages(&self, collected: &mut Collected) {
         let algorithm = &self.config.algorithm;
         let mut dense = std::collections::BTreeMap::new();
         let groups: Vec<usize> = collected

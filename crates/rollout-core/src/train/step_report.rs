@@ -58,6 +58,8 @@ impl StepReport {
             zero_std_groups,
             refilled_groups,
             refill_rounds,
+            stale_groups_regenerated,
+            stale_groups_dropped,
             records: _,
             generate_seconds,
             score_seconds,
@@ -114,6 +116,8 @@ impl StepReport {
             line.refilled_groups = Some(refilled_groups as u64);
             line.refill_rounds = Some(refill_rounds);
         }
+        line.stale_groups_regenerated = Some(stale_groups_regenerated as u64);
+        line.stale_groups_dropped = Some(stale_groups_dropped as u64);
         line.micro_batches = Some(packing.micro_batches as u64);
         line.trained_rows = Some(packing.rows as u64);
         line.skipped_rows = Some(packing.skipped_rows as u64);

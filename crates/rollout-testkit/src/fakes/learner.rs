@@ -26,6 +26,8 @@ pub struct FakeLearner {
     failing: Option<u64>,
     needs_weight_sync: bool,
     value: f32,
+    /// The update that reaches this version answers with the other instead.
+    forged: Option<(u64, u64)>,
     events: Mutex<Vec<String>>,
     requests: Mutex<Vec<TrainRequest>>,
 }
@@ -39,6 +41,7 @@ impl Default for FakeLearner {
             failing: None,
             needs_weight_sync: false,
             value: 0.0,
+            forged: None,
             events: Mutex::default(),
             requests: Mutex::default(),
         }
@@ -46,6 +49,14 @@ impl Default for FakeLearner {
 }
 
 impl FakeLearner {
+    /// The update that reaches version `at` claims version `claimed` in its answer.
+    pub fn claiming_version(self, at: u64, claimed: u64) -> Self {
+        FakeLearner {
+            forged: Some((at, claimed)),
+            ..self
+        }
+    }
+
     /// Holds the background write of the checkpoint taken at `version` until two more
     /// updates are applied.
     pub fn holding_write_at(self, version: u64) -> Self {
@@ -121,6 +132,10 @@ impl Learner for FakeLearner {
         let version = self.version.fetch_add(1, Ordering::SeqCst) + 1;
         self.record(format!("train {version}"));
         self.trained.send_replace(version);
+        let version = match self.forged {
+            Some((at, claimed)) if at == version => claimed,
+            _ => version,
+        };
         Box::pin(async move {
             Ok(TrainResponse {
                 metrics: [

@@ -19,6 +19,9 @@ pub struct FakePolicy {
     weights: Weights,
     /// Per generated group: the step it belongs to and the weight version that generated it.
     generated: Mutex<Vec<(u64, u64)>>,
+    /// Once: the step whose first generation request answers with weights this many
+    /// versions older (a worker that rejoined on old weights).
+    lag: Mutex<Option<(u64, u64)>>,
 }
 
 enum Weights {
@@ -32,6 +35,7 @@ impl FakePolicy {
         FakePolicy {
             weights: Weights::Shared(version),
             generated: Mutex::default(),
+            lag: Mutex::default(),
         }
     }
 
@@ -40,7 +44,15 @@ impl FakePolicy {
         FakePolicy {
             weights: Weights::Held(AtomicU64::new(0)),
             generated: Mutex::default(),
+            lag: Mutex::default(),
         }
+    }
+
+    /// Answers the first generation request of `step` with weights `behind` versions
+    /// older than it holds.
+    pub fn lagging_once(self, step: u64, behind: u64) -> Self {
+        *lock(&self.lag) = Some((step, behind));
+        self
     }
 
     fn version(&self) -> u64 {
@@ -80,7 +92,20 @@ impl Tokenizer for FakePolicy {
 
 impl Generator for FakePolicy {
     fn generate(&self, request: GenerateRequest) -> RoleFuture<'_, GenerateResponse> {
-        let version = self.version();
+        let mut version = self.version();
+        let step = request
+            .prompts
+            .first()
+            .and_then(|p| p.group)
+            .map(|g| g.step);
+        let mut lag = lock(&self.lag);
+        if let Some((lagging, behind)) = *lag
+            && step == Some(lagging)
+        {
+            version = version.saturating_sub(behind);
+            *lag = None;
+        }
+        drop(lag);
         lock(&self.generated).extend(
             request
                 .prompts

@@ -24,6 +24,9 @@ pub enum Behaviour {
     Hangs,
     /// Answers at once, with its first completion broken this way.
     Malformed(Malformation),
+    /// Closes its connection as soon as it is made, before any request (a worker killed
+    /// while the run does something else).
+    Leaves,
 }
 
 /// How a [`Behaviour::Malformed`] worker breaks its answers.
@@ -112,6 +115,9 @@ pub async fn serve(
     let Ok(link) = Link::accept(stream, &key, &hello("worker", &name), &limits).await else {
         return;
     };
+    if behaviour == Behaviour::Leaves {
+        return;
+    }
     let mut server = link.server();
     let mut held = Vec::new();
     let mut version = 0;
@@ -138,7 +144,7 @@ pub async fn serve(
             continue;
         }
         match behaviour {
-            Behaviour::DiesOnRequest => return,
+            Behaviour::DiesOnRequest | Behaviour::Leaves => return,
             Behaviour::Hangs => held.push(incoming),
             Behaviour::Healthy | Behaviour::Malformed(_) => {
                 let Ok(request) = incoming.decode::<GenerateRequest>() else {

@@ -140,17 +140,20 @@ impl RemoteWorkers {
                 .health
                 .joined(RoleKind::Worker, name, client.heard());
         }
-        Self {
-            shared: Arc::new(Shared {
-                members: Mutex::new(workers.into_iter().map(Member::new).collect()),
-                closed: AtomicBool::new(false),
-                latest: Mutex::new(None),
-                arrived: Notify::new(),
-                ledger: Mutex::new(ledger),
-                tally: Mutex::new(Tally::default()),
-                settings,
-            }),
+        let members: Vec<Arc<Member>> = workers.into_iter().map(Member::new).collect();
+        let shared = Arc::new(Shared {
+            members: Mutex::new(members.clone()),
+            closed: AtomicBool::new(false),
+            latest: Mutex::new(None),
+            arrived: Notify::new(),
+            ledger: Mutex::new(ledger),
+            tally: Mutex::new(Tally::default()),
+            settings,
+        });
+        for member in members {
+            shared.watch(member);
         }
+        Self { shared }
     }
 
     /// Welcomes generation workers that connect from now on (`links`), loads the newest
@@ -197,7 +200,29 @@ impl RemoteWorkers {
 }
 
 impl Shared {
-    async fn admit(&self, member: Arc<Member>, config_toml: String) -> Result<(), RoleError> {
+    /// Takes `member` out of the pool as soon as its connection ends, in whatever phase
+    /// the run is (a warm start, a weight sync, generation), not at the next call to it.
+    fn watch(self: &Arc<Self>, member: Arc<Member>) {
+        let shared = Arc::downgrade(self);
+        tokio::spawn(async move {
+            let err = member.client.lost().await;
+            if let Some(shared) = shared.upgrade()
+                && !shared.closed.load(Ordering::SeqCst)
+            {
+                let err = RoleError::WorkerLost {
+                    role: member.name.clone(),
+                    reason: err.to_string(),
+                };
+                shared.lose(&member, &err);
+            }
+        });
+    }
+
+    async fn admit(
+        self: &Arc<Self>,
+        member: Arc<Member>,
+        config_toml: String,
+    ) -> Result<(), RoleError> {
         if self.closed.load(Ordering::SeqCst) {
             let reason = "the run is over".to_owned();
             let _ = send::<_, Done>(&member.client, &Shutdown { reason }).await;
@@ -214,7 +239,7 @@ impl Shared {
         loop {
             let latest = lock(&self.latest).clone();
             if let Some(weights) = &latest {
-                match self.pull_latest(&member, weights, limit).await {
+                match self.pull_from_any(&member, weights, limit).await {
                     Ok(()) => {}
                     // A newer version replaced this one mid-pull: pull that one instead.
                     Err(err) if !is_loss(&err) && *lock(&self.latest) != latest => {
@@ -230,6 +255,7 @@ impl Shared {
                 break;
             }
         }
+        self.watch(member.clone());
         lock(&self.tally).joined += 1;
         let heard = member.client.heard();
         self.settings
@@ -238,6 +264,41 @@ impl Shared {
         self.arrived.notify_waiters();
         tracing::info!("{} joined the run's generation workers", member.name);
         Ok(())
+    }
+
+    /// Has a joining `member` pull `weights` from their publisher, else from each live
+    /// worker in turn (a source may have died since it was announced).
+    async fn pull_from_any(
+        &self,
+        member: &Member,
+        weights: &WeightsReport,
+        limit: Duration,
+    ) -> Result<(), RoleError> {
+        let peers: Vec<String> = lock(&self.members)
+            .iter()
+            .map(|m| m.weights_address())
+            .filter(|address| !address.is_empty() && *address != weights.source)
+            .collect();
+        let mut failed = match self.pull_latest(member, weights, limit).await {
+            Err(err) if !is_loss(&err) => err,
+            done => return done,
+        };
+        for source in peers {
+            tracing::info!(
+                "{}: could not pull weight version {} ({failed}); pulling from {source}",
+                member.name,
+                weights.version
+            );
+            let elsewhere = WeightsReport {
+                source,
+                ..weights.clone()
+            };
+            failed = match self.pull_latest(member, &elsewhere, limit).await {
+                Err(err) if !is_loss(&err) => err,
+                done => return done,
+            };
+        }
+        Err(failed)
     }
 
     async fn pull_latest(
