@@ -292,9 +292,10 @@ def keep_other_cases(previous: dict[str, Any], results: dict[str, Any], details:
     """With --only-kills: the other cases' results of the previous run, kept as they were
     (with their date); returns their audits."""
     results |= {key: previous[key] for key in OTHER_CASES if key in previous}
-    earlier = previous["details"]
-    kept = {key: earlier[key] for key in ("stopped", "restarts", "fuzz") if key in earlier}
-    details["kept_from_previous_run"] = {"measured": previous.get("measured"), **kept}
+    earlier = {"measured": previous.get("measured"), **previous["details"]}
+    earlier |= earlier.pop("kept_from_previous_run", None) or {}
+    kept = {key: earlier[key] for key in ("measured", "stopped", "restarts", "fuzz") if key in earlier}
+    details["kept_from_previous_run"] = kept
     audits = [kept["stopped"]["audit"]] if "stopped" in kept else []
     if "restarts" in kept:
         audits += [kept["restarts"]["controller"]["audit"], kept["restarts"]["trainer"]["audit"]]
