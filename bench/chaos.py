@@ -168,13 +168,13 @@ def recoveries(entries: list[dict[str, Any]], kills: list[tuple[float, str]]) ->
         again = []
         for revocation in revoked:
             group = leased[revocation["lease"]]["group"]
-            again.append(
-                min(
-                    e["at"]
-                    for e in entries
-                    if e["event"] == "leased" and e["group"] == group and e["at"] >= revocation["at"]
-                )
-            )
+            # A group answered meanwhile (by an earlier lease) is not leased again.
+            later = [
+                e["at"]
+                for e in entries
+                if e["event"] == "leased" and e["group"] == group and e["at"] >= revocation["at"]
+            ]
+            again += later[:1]
         if again:
             seconds.append(max(again) - at)
     return seconds

@@ -172,7 +172,7 @@ def test_a_worker_with_the_wrong_secret_cannot_join(tmp_path: Path, artifacts: P
 def test_tls_links_run_the_same_training(tmp_path: Path, artifacts: Path) -> None:
     config = write_config(tmp_path, artifacts, cluster(1, 1, 0, tls=True), steps=2)
     result = launch(config)
-    assert "links are encrypted" in result.stderr
+    assert "every link is encrypted" in result.stderr
     assert [line["step"] for line in metrics(tmp_path)] == [1, 2]
 
 
