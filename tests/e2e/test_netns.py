@@ -473,27 +473,34 @@ def test_a_worker_whose_connection_resets_connects_again_and_the_run_completes(
     run = run_cluster(net, tmp_path, artifacts, steps=steps, proxy=proxy, proxied_workers=(0,))
     resets = re.findall(r"connection (\d+): RESET by --reset-after-bytes", proxy.stderr)
     assert resets == ["1"], proxy.stderr
-    controller = run.controller
-    assert controller.process.returncode == 0, net.report()
-    assert f"done: {steps} steps" in controller.stdout
-    # The controller lost gen-0 at the reset and gen-0 joined again, with the newest weights.
-    assert "gen-0 left the generation pool" in controller.stderr, controller.stderr[-4000:]
-    assert "gen-0 joined the run's generation workers" in controller.stderr, controller.stderr[-4000:]
+    found = assert_gen0_rejoined_and_nothing_lost(run, net, steps)
     assert "lost the controller" in run.workers[0].stderr and "connecting again" in run.workers[0].stderr
     lines = run.metrics()
-    assert [line["step"] for line in lines] == list(range(1, steps + 1))
-    assert sum(line["workers_lost"] for line in lines) == 1
     assert sum(line["workers_joined"] for line in lines) == 1
     joined = next(line["step"] for line in lines if line["workers_joined"] == 1)
     after = [line for line in lines if line["step"] > joined]
     assert after and all(line["workers"] == 2 for line in after)
     assert sum(line.get("worker_completions/gen-0", 0) for line in after) > 0
+    assert found["groups_trained"] == steps * PROMPTS_PER_STEP, found
+
+
+def assert_gen0_rejoined_and_nothing_lost(run: Run, net: Network, steps: int) -> dict:
+    """The run finished every step; the controller lost gen-0 once and gen-0 joined again
+    (with the newest weights); every role exited cleanly; the ledger lost nothing."""
+    controller = run.controller
+    assert controller.process.returncode == 0, net.report()
+    assert f"done: {steps} steps" in controller.stdout
+    assert "gen-0 left the generation pool" in controller.stderr, controller.stderr[-4000:]
+    assert "gen-0 joined the run's generation workers" in controller.stderr, controller.stderr[-4000:]
+    lines = run.metrics()
+    assert [line["step"] for line in lines] == list(range(1, steps + 1))
+    assert sum(line["workers_lost"] for line in lines) == 1
     for role in run.roles[1:]:
         assert role.process.returncode == 0, f"{role.label} exited {role.process.returncode}\n{net.report()}"
     assert_no_panic(net)
     found = audit(run.output)
     assert found["groups_lost"] == 0 and found["groups_duplicated"] == 0, found
-    assert found["groups_trained"] == steps * PROMPTS_PER_STEP, found
+    return found
 
 
 @pytest.mark.slow
@@ -508,19 +515,7 @@ def test_links_between_nodes_are_encrypted_and_an_altered_byte_breaks_only_that_
     proxy = start_proxy(net, "--corrupt-after-bytes", "40000", "--faulty-connections", "1")
     run = run_cluster(net, tmp_path, artifacts, steps=steps, proxy=proxy, proxied_workers=(0,))
     assert proxy.stderr.count("flipping byte") == 1, proxy.stderr
-    controller = run.controller
-    assert controller.process.returncode == 0, net.report()
-    assert f"done: {steps} steps" in controller.stdout
-    assert "links with other machines are encrypted" in controller.stderr, controller.stderr[-4000:]
-    logs = controller.stderr + run.workers[0].stderr
+    assert "links with other machines are encrypted" in run.controller.stderr, run.controller.stderr[-4000:]
+    logs = run.controller.stderr + run.workers[0].stderr
     assert re.search(r"decrypt", logs, re.IGNORECASE), logs[-6000:]
-    assert "gen-0 left the generation pool" in controller.stderr, controller.stderr[-4000:]
-    assert "gen-0 joined the run's generation workers" in controller.stderr, controller.stderr[-4000:]
-    lines = run.metrics()
-    assert [line["step"] for line in lines] == list(range(1, steps + 1))
-    assert sum(line["workers_lost"] for line in lines) == 1
-    for role in run.roles[1:]:
-        assert role.process.returncode == 0, f"{role.label} exited {role.process.returncode}\n{net.report()}"
-    assert_no_panic(net)
-    found = audit(run.output)
-    assert found["groups_lost"] == 0 and found["groups_duplicated"] == 0, found
+    assert_gen0_rejoined_and_nothing_lost(run, net, steps)
