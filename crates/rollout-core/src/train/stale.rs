@@ -64,16 +64,7 @@ impl Sampler<'_> {
             collected.replace_groups(&groups, more);
             collected.stale_groups_regenerated += groups.len();
         }
-        let left = stale(collected);
-        if !left.is_empty() {
-            tracing::warn!(
-                "step {step}: {} groups were still stale after {ROUNDS} rounds; the step trains \
-                 without them",
-                left.len()
-            );
-            collected.replace_groups(&left, Collected::empty());
-            collected.stale_groups_dropped += left.len();
-        }
+        leave_out(collected, &stale(collected), step);
         if collected.trajectories.is_empty() {
             return Err(RunError::Data(format!(
                 "step {step}: no group within cluster.max_staleness = {max_staleness} of the \
@@ -82,6 +73,19 @@ impl Sampler<'_> {
         }
         self.compute_advantages(collected);
         Ok(())
+    }
+}
+
+/// Drops `groups`, still stale after the last round, from the step.
+fn leave_out(collected: &mut Collected, groups: &[usize], step: u64) {
+    if !groups.is_empty() {
+        tracing::warn!(
+            "step {step}: {} groups were still stale after {ROUNDS} rounds; the step trains \
+             without them",
+            groups.len()
+        );
+        collected.replace_groups(groups, Collected::empty());
+        collected.stale_groups_dropped += groups.len();
     }
 }
 
