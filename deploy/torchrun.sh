@@ -11,6 +11,12 @@
 #   TRAINERS  trainer ranks [2]        WORKERS   generation workers [1]
 #   PORT      controller port [7100]   ROLLOUT   the rollout executable [rollout]
 #   TORCHRUN  the torchrun command [torchrun]
+#   GPUS      GPUs to place the roles on [the visible ones: CUDA_VISIBLE_DEVICES, else the
+#             driver's list]; 0: no placement (CPU, or every process sees every GPU)
+#   COLOCATE  1: workers share the trainers' GPUs (worker i on rank i's GPU) and release
+#             their memory while the trainers step (needs cluster.max_staleness = 0) [0]
+# With GPUs, trainer rank r gets GPU r and worker i GPU TRAINERS + i (colocated: GPU i),
+# each as its own CUDA_VISIBLE_DEVICES (the rank's through deploy/local-device.sh).
 # Set the role counts here, not with --set cluster.workers/trainers: both sides must agree.
 #
 # Ctrl-C reaches only the controller, which stops after the current step, writes a
@@ -18,7 +24,7 @@
 set -euo pipefail
 
 if (($# < 1)); then
-    sed -n '2,17p' "$0" >&2
+    sed -n '2,23p' "$0" >&2
     exit 2
 fi
 config=$1
@@ -28,6 +34,34 @@ workers=${WORKERS:-1}
 controller=127.0.0.1:${PORT:-7100}
 rollout=${ROLLOUT:-rollout}
 torchrun=${TORCHRUN:-torchrun}
+colocate=${COLOCATE:-0}
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+
+# GPUs by index among the visible ones (as `rollout launch` counts them).
+if [[ -n ${GPUS:-} ]]; then
+    gpus=$GPUS
+elif [[ -n ${CUDA_VISIBLE_DEVICES+set} ]]; then
+    IFS=, read -ra visible <<<"$CUDA_VISIBLE_DEVICES"
+    gpus=${#visible[@]}
+else
+    gpus=$(find /proc/driver/nvidia/gpus -mindepth 1 -maxdepth 1 2>/dev/null | wc -l)
+fi
+trainer_gpus=()
+worker_gpus=()
+device_args=()
+if ((gpus > 0)); then
+    first_worker_gpu=$trainers
+    ((colocate)) && first_worker_gpu=0
+    if ((trainers > gpus || first_worker_gpu + workers > gpus)); then
+        echo "torchrun.sh: $trainers trainer ranks and $workers workers need more than $gpus GPUs; set COLOCATE=1 or start fewer" >&2
+        exit 2
+    fi
+    for ((r = 0; r < trainers; r++)); do trainer_gpus+=("$r"); done
+    for ((i = 0; i < workers; i++)); do worker_gpus+=("$((first_worker_gpu + i))"); done
+fi
+if ((colocate)); then
+    device_args=(--set cluster.devices.colocate=true)
+fi
 
 # A fresh cluster secret, readable by this user only.
 tmp=$(mktemp -d -t rollout-torchrun.XXXXXX)
@@ -51,7 +85,7 @@ trap 'echo "torchrun.sh: interrupted; waiting for the controller to stop" >&2' I
     --set "cluster.workers=$workers" \
     --set "cluster.trainers=$trainers" \
     --set "cluster.secret_file=\"$secret_file\"" \
-    "$@" 2> >(trap '' INT && exec tee "$log" >&2) &
+    "${device_args[@]}" "$@" 2> >(trap '' INT && exec tee "$log" >&2) &
 controller_pid=$!
 
 # Roles do not retry their connection: start them once the controller listens.
@@ -64,13 +98,24 @@ until grep -q "listening on" "$log" 2>/dev/null; do
 done
 
 # setsid: a Ctrl-C in the terminal goes to the controller only.
+worker_list=$(
+    IFS=,
+    echo "${worker_gpus[*]}"
+)
 for ((i = 0; i < workers; i++)); do
-    setsid "$rollout" worker --connect "$controller" --name "worker-$i" \
+    ROLLOUT_LOCAL_DEVICES=$worker_list LOCAL_RANK=$i setsid "$here/local-device.sh" \
+        "$rollout" worker --connect "$controller" --name "worker-$i" \
         --secret-file "$secret_file" &
     roles+=($!)
 done
-setsid "$torchrun" --standalone --nnodes=1 --nproc-per-node="$trainers" --no-python \
-    "$rollout" trainer --connect "$controller" --secret-file "$secret_file" &
+trainer_list=$(
+    IFS=,
+    echo "${trainer_gpus[*]}"
+)
+ROLLOUT_LOCAL_DEVICES=$trainer_list setsid "$torchrun" --standalone --nnodes=1 \
+    --nproc-per-node="$trainers" --no-python \
+    "$here/local-device.sh" "$rollout" trainer --connect "$controller" \
+    --secret-file "$secret_file" &
 roles+=($!)
 
 while kill -0 "$controller_pid" 2>/dev/null; do

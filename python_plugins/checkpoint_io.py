@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from rollout_sdk.snapshot import HostTensor, TensorFile
 
-__all__ = ["host_tensor", "load_optimizer", "model_files", "optimizer_files"]
+__all__ = ["host_tensor", "load_optimizer", "model_files", "optimizer_files", "tokenizer_files"]
 
 TENSORS_FILE = "optimizer.safetensors"
 METADATA_FILE = "optimizer.json"
@@ -47,19 +47,26 @@ def host_tensor(tensor: torch.Tensor) -> HostTensor:
     )
 
 
-def model_files(model: Any, tokenizer: Any) -> dict[str, bytes | TensorFile]:
-    """What ``save_pretrained`` writes for ``model`` and ``tokenizer``, as snapshot contents.
+def model_files(model: Any, tokenizer: Any, *, weights: bool = True) -> dict[str, bytes | TensorFile]:
+    """What ``save_pretrained`` writes for ``model`` and ``tokenizer``, as snapshot contents
+    (without ``model.safetensors`` unless ``weights``).
 
     Tied tensors are stored once, under their first name, as ``save_pretrained`` does.
     """
     files: dict[str, bytes | TensorFile] = {"config.json": model.config.to_json_string().encode()}
     if model.can_generate() and model.generation_config is not None:
         files["generation_config.json"] = model.generation_config.to_json_string().encode()
+    files.update(tokenizer_files(tokenizer))
+    if weights:
+        files["model.safetensors"] = TensorFile(_untied(model.state_dict()), {"format": "pt"})
+    return files
+
+
+def tokenizer_files(tokenizer: Any) -> dict[str, bytes | TensorFile]:
+    """What the tokenizer's ``save_pretrained`` writes."""
     with tempfile.TemporaryDirectory() as scratch:
         tokenizer.save_pretrained(scratch)
-        files.update({path.name: path.read_bytes() for path in Path(scratch).iterdir() if path.is_file()})
-    files["model.safetensors"] = TensorFile(_untied(model.state_dict()), {"format": "pt"})
-    return files
+        return {path.name: path.read_bytes() for path in Path(scratch).iterdir() if path.is_file()}
 
 
 def _untied(state: Mapping[str, torch.Tensor]) -> dict[str, HostTensor]:

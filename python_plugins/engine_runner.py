@@ -22,7 +22,7 @@ from python_plugins.engine_sampling import RowSampling, propose, verify
 from python_plugins.paged_attention import AttentionPlan, CacheGeometry, PagedKvCache, paged_forward
 from rollout_sdk import EngineStep, EngineStepOutput, KvLayout
 
-__all__ = ["EngineRunner", "PagedModel", "available_memory"]
+__all__ = ["EngineRunner", "PagedModel", "available_memory", "releases_memory"]
 
 
 class PagedModel:
@@ -44,6 +44,7 @@ class PagedModel:
         self.vocab_size: int = text_config.vocab_size
         self.max_positions: int = text_config.max_position_embeddings
         self.cache: PagedKvCache | None = None
+        self._released_slots = 0
 
     @property
     def dtype(self) -> torch.dtype:
@@ -55,6 +56,20 @@ class PagedModel:
     def allocate(self, num_slots: int) -> None:
         self.cache = None  # release the old cache before allocating the new one
         self.cache = PagedKvCache(self.geometry, num_slots, self.model.device, self.dtype)
+
+    def release(self) -> None:
+        """Drop the KV cache (remembering its size) and move the weights to the host."""
+        if self.cache is not None:
+            self._released_slots = self.cache.num_slots
+        self.cache = None
+        self.model.to("cpu")
+
+    def restore(self, device: torch.device) -> None:
+        """Move the weights back to ``device`` and allocate an empty cache of the old size."""
+        self.model.to(device)
+        if self._released_slots:
+            self.allocate(self._released_slots)
+            self._released_slots = 0
 
     def logits(
         self, input_ids: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan, at: torch.Tensor
@@ -103,6 +118,28 @@ class EngineRunner:
             raise ValueError(f"allocate_kv: num_slots must be positive, got {num_slots}")
         for model in self._models():
             model.allocate(num_slots)
+
+    def release_memory(self) -> bool:
+        """Free the device memory generation holds: KV caches dropped, weights moved to the host.
+
+        For a worker colocated with trainer ranks, before they step. Returns whether anything
+        was freed: only on a CUDA device (on the host, nothing would be gained).
+        """
+        if not releases_memory(self.device):
+            return False
+        for model in self._models():
+            model.release()
+        # Hand the freed blocks back to the driver, so that other processes can use them.
+        torch.cuda.empty_cache()
+        return True
+
+    def restore_memory(self) -> bool:
+        """Undo :meth:`release_memory`: weights back on the device, empty caches of the old size."""
+        if not releases_memory(self.device):
+            return False
+        for model in self._models():
+            model.restore(self.device)
+        return True
 
     @torch.inference_mode()
     def step(self, step: EngineStep) -> EngineStepOutput:
@@ -236,6 +273,12 @@ class EngineRunner:
 def _fit_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """A draft model's logits over the target's vocabulary: padded with -inf or cut."""
     return torch.nn.functional.pad(logits.float(), (0, vocab_size - logits.shape[-1]), value=float("-inf"))
+
+
+def releases_memory(device: torch.device) -> bool:
+    """Whether releasing generation memory frees anything: only a CUDA device is shared with
+    trainer processes (on the host, every process has its own memory anyway)."""
+    return device.type == "cuda"
 
 
 def available_memory(device: torch.device) -> int:

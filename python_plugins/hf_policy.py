@@ -6,19 +6,23 @@ import dataclasses
 import functools
 import inspect
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, cast
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
+from torch.distributed.tensor import DTensor
 from transformers import AutoTokenizer, PreTrainedModel
 from transformers.utils import logging as transformers_logging
 
-from python_plugins.checkpoint_io import load_optimizer, model_files, optimizer_files
+from python_plugins.checkpoint_io import load_optimizer, model_files, optimizer_files, tokenizer_files
 from python_plugins.engine_runner import EngineRunner
+from python_plugins.hub_cache import resolve_model_path
 from python_plugins.model_setup import (
+    ADAPTER_CONFIG,
     DEFAULT_LORA_TARGETS,
     CpuOffloadOptimizer,
     LoraAdapters,
@@ -27,6 +31,8 @@ from python_plugins.model_setup import (
     load_model,
 )
 from python_plugins.sampling import select_tokens
+from python_plugins.sharded_checkpoint import is_sharded_checkpoint, load_state, state_files
+from python_plugins.sharding import check_shardable, gathered_on_rank0, shard_model
 from python_plugins.shared_prefix import plan_shared_prefixes, shared_prefix_logprobs
 from python_plugins.value_head import ValueHead, logprobs_and_hidden
 from rollout_sdk import (
@@ -37,6 +43,7 @@ from rollout_sdk import (
     KvLayout,
     Policy,
     SamplingParams,
+    Sharding,
     TokenBatch,
     TrainBatch,
 )
@@ -95,6 +102,10 @@ class HFCausalLM(Policy):
         value_learning_rate: float | None = None
 
         def __post_init__(self) -> None:
+            # Hub ids (`org/name`) not on disk are read from the local Hugging Face cache.
+            for name in ("model_path", "reference_model_path", "draft_model_path"):
+                if getattr(self, name) is not None:
+                    setattr(self, name, resolve_model_path(getattr(self, name)))
             for name in ("weight_decay", "adam_eps", "max_grad_norm", "torch_threads"):
                 if getattr(self, name) < 0:
                     raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
@@ -137,6 +148,9 @@ class HFCausalLM(Policy):
         self.draft_model: PreTrainedModel | None = None
         if config.draft_model_path is not None:
             self.draft_model = self._load_model(config.draft_model_path).eval().requires_grad_(False)
+        # Set by `shard`; then `checkpoint_keys` names each trainable parameter in checkpoints.
+        self.sharding: Sharding | None = None
+        self.checkpoint_keys: dict[str, str] = {}
 
     def _set_training(self, training: bool) -> None:
         # `Module.train` walks every submodule: skip it when the mode is already right, since
@@ -304,11 +318,14 @@ class HFCausalLM(Policy):
         temperature = getattr(objective, "temperature", 1.0)
         self._set_training(True)
         # Gradient checkpointing turns the KV cache off inside the model, so nothing to share;
-        # the value head needs every position's hidden state.
+        # the value head needs every position's hidden state. Sharded ranks gather weights in
+        # every forward pass, with each other: they must all run one per micro-batch, not as
+        # many as their prompts' sharing plan asks.
         share = (
             self.config.share_prompt_prefix
             and not self.config.gradient_checkpointing
             and not needs_values(objective)
+            and self.sharding is None
         )
         plan = plan_shared_prefixes(batch.input_ids, batch.attention_mask, batch.loss_mask) if share else None
 
@@ -364,6 +381,9 @@ class HFCausalLM(Policy):
             path = self.config.reference_model_path or self.config.model_path
             reference = self._load_model(path, self.config.reference_quantization)
             self.reference = reference.eval().requires_grad_(False)
+            if self.sharding is not None:
+                # Frozen: gathered block by block for its forward pass, then freed again.
+                shard_model(self.reference, dataclasses.replace(self.sharding, reshard_after_forward=True))
         return self.reference
 
     def apply_update(self, learning_rate: float) -> Mapping[str, float]:
@@ -371,6 +391,8 @@ class HFCausalLM(Policy):
             raise ValueError(f"learning_rate must not be negative, got {learning_rate}")
         grads = [p.grad for _, p in self.trainable if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
         if self.config.max_grad_norm > 0 and grads:
             torch.nn.utils.clip_grads_with_norm_(
                 [p for _, p in self.trainable], self.config.max_grad_norm, grad_norm
@@ -391,10 +413,35 @@ class HFCausalLM(Policy):
         head = self.value_head.named_parameters() if self.value_head is not None else []
         return [p for _, p in [*self.trainable, *head]]
 
+    # Sharding
+
+    def shard(self, sharding: Sharding) -> list[torch.nn.Module]:
+        """FSDP2 over the trainers' group: the model (and the reference, once loaded) sharded per
+        decoder block; the optimizer rebuilt over the sharded parameters."""
+        if self.sharding is not None:
+            raise RuntimeError("the policy is already sharded")
+        check_shardable(self.config)
+        # Taken before sharding replaces the parameter objects.
+        keys = self._checkpoint_keys_unsharded()
+        root = shard_model(self.model, sharding)
+        self.sharding = sharding
+        self.trainable = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
+        self.checkpoint_keys = {name: keys[name] for name, _ in self.trainable}
+        if self.lora is not None:
+            by_name = dict(self.trainable)
+            self.lora.saved_names = {key: by_name[name] for name, key in self.checkpoint_keys.items()}
+        self.optimizer = build_optimizer([p for _, p in self.trainable], self.config, self.device)
+        return [root]
+
     # Weights and checkpoints
 
-    def export_weights(self) -> dict[str, np.ndarray]:
-        """Copies of the trainable weights (with LoRA, the adapters) as float32 (NumPy has no bfloat16)."""
+    def export_weights(self) -> dict[str, np.ndarray] | Iterator[tuple[str, np.ndarray]]:
+        """Copies of the trainable weights (with LoRA, the adapters) as float32 (NumPy has no bfloat16).
+
+        Sharded, each tensor is gathered to rank 0 as the engine asks for it.
+        """
+        if self.sharding is not None:
+            return gathered_on_rank0(self.trainable)
         return {
             name: p.detach().to("cpu", dtype=torch.float32, copy=True).numpy() for name, p in self.trainable
         }
@@ -420,6 +467,8 @@ class HFCausalLM(Policy):
         write_snapshot(self._checkpoint_files(), directory)
 
     def _checkpoint_files(self) -> dict[str, bytes | TensorFile]:
+        if self.sharding is not None:
+            return self._shard_files()
         # With LoRA, `model/` is a PEFT adapter directory on top of `model_path`.
         lora = self.lora
         model = lora.files(self.tokenizer) if lora is not None else model_files(self.model, self.tokenizer)
@@ -429,8 +478,27 @@ class HFCausalLM(Policy):
             files.update(self.value_head.files())
         return files
 
+    def _shard_files(self) -> dict[str, bytes | TensorFile]:
+        """This rank's rows of the state; rank 0 adds what describes the model (config, tokenizer,
+        the adapters' config) and PPO's replicated value head."""
+        keyed = [(self.checkpoint_keys[name], p) for name, p in self.trainable]
+        files = state_files(keyed, self.optimizer, dist.get_rank(), dist.get_world_size())
+        if dist.get_rank() == 0:
+            described = tokenizer_files(self.tokenizer)
+            if self.lora is not None:
+                described[ADAPTER_CONFIG] = self.lora.config_json
+            else:
+                described.update(model_files(self.model, self.tokenizer, weights=False))
+            files.update({f"model/{name}": content for name, content in described.items()})
+            if self.value_head is not None:
+                files.update(self.value_head.files())
+        return files
+
     def load(self, directory: str) -> None:
         root = Path(directory)
+        if self.sharding is not None or is_sharded_checkpoint(root):
+            self._load_shards(root)
+            return
         if self.lora is not None:
             self.lora.load(root / "model")
         else:
@@ -438,6 +506,25 @@ class HFCausalLM(Policy):
         load_optimizer(root, self.optimizer, [name for name, _ in self.trainable])
         if ValueHead.saved_in(root):
             self._value_head().load(root)
+
+    def _load_shards(self, root: Path) -> None:
+        if not is_sharded_checkpoint(root):
+            raise ValueError(
+                f"{root} was written by replicated trainer ranks; resume it with [train] sharding = "
+                '"replicate", or export it (`rollout export`) and start a sharded run from the export'
+            )
+        if isinstance(self.optimizer, CpuOffloadOptimizer):
+            raise ValueError(f"{root} is a sharded checkpoint: resume it without offload_optimizer")
+        keys = self.checkpoint_keys or self._checkpoint_keys_unsharded()
+        load_state(root, [(keys[name], p) for name, p in self.trainable], self.optimizer)
+        if ValueHead.saved_in(root):
+            self._value_head().load(root)
+
+    def _checkpoint_keys_unsharded(self) -> dict[str, str]:
+        """Each trainable parameter's name in checkpoints: its own, or with LoRA the name PEFT
+        saves it under, so that checkpoints read like adapter directories."""
+        saved_as = {id(p): name for name, p in (self.lora.saved_names.items() if self.lora else [])}
+        return {name: saved_as.get(id(p), name) for name, p in self.trainable}
 
     @torch.no_grad()
     def _load_weights(self, model_dir: Path) -> None:
@@ -468,11 +555,19 @@ class HFCausalLM(Policy):
             "parameters": sum(p.numel() for p in self.model.parameters()),
             "dtype": self.config.dtype,
             "device": str(self.device),
+            "sharding": self.sharding.mode if self.sharding is not None else "replicate",
         }
         if self.lora is not None:
             facts["trainable_parameters"] = self.lora.trainable_count()
             facts["quantization"] = self.config.quantization
         return facts
+
+    # Colocated with trainer ranks: see EngineRunner.release_memory
+    def release_memory(self) -> None:
+        self.engine_runner.release_memory()
+
+    def restore_memory(self) -> None:
+        self.engine_runner.restore_memory()
 
 
 def _resolve_device(name: str) -> torch.device:

@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from python_plugins.checkpoint_io import host_tensor
+from python_plugins.checkpoint_io import host_tensor, tokenizer_files
 from rollout_sdk.snapshot import TensorFile
 
 __all__ = [
@@ -240,10 +240,10 @@ class LoraAdapters:
 
     def files(self, tokenizer: Any) -> dict[str, bytes | TensorFile]:
         """The adapter directory PEFT's ``save_pretrained`` writes, plus the tokenizer's files."""
-        files: dict[str, bytes | TensorFile] = {ADAPTER_CONFIG: self.config_json}
-        with tempfile.TemporaryDirectory() as scratch:
-            tokenizer.save_pretrained(scratch)
-            files.update({p.name: p.read_bytes() for p in Path(scratch).iterdir() if p.is_file()})
+        files: dict[str, bytes | TensorFile] = {
+            ADAPTER_CONFIG: self.config_json,
+            **tokenizer_files(tokenizer),
+        }
         tensors = {name: host_tensor(p) for name, p in self.saved_names.items()}
         files[ADAPTER_WEIGHTS] = TensorFile(tensors, {"format": "pt"})
         return files

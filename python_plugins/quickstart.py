@@ -1,10 +1,12 @@
 """Files for the offline quickstart: a character tokenizer, a tiny Llama and an addition dataset.
 
 ``python -m python_plugins.quickstart DIR [--force]`` writes ``DIR/model``,
-``DIR/data/{train,test}.jsonl`` and ``DIR/quickstart.toml`` (``configs/quickstart.toml`` with
-the model and data paths under ``DIR``, so an installed ``rollout`` needs no clone of the
-repository to run it); the `rollout` binary calls :func:`create`. Everything is seeded, so
-the same arguments always give byte-identical files.
+``DIR/data/{train,test}.jsonl``, the chat model ``DIR/chat_model`` (the same tokenizer with
+role markers and a chat template), ``DIR/data/{chat,calc}_train.jsonl`` (for
+``configs/chat.toml`` and ``configs/tool_use.toml``) and ``DIR/quickstart.toml``
+(``configs/quickstart.toml`` with the model and data paths under ``DIR``, so an installed
+``rollout`` needs no clone of the repository to run it); the `rollout` binary calls
+:func:`create`. Everything is seeded, so the same arguments always give byte-identical files.
 """
 
 from __future__ import annotations
@@ -20,19 +22,25 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 __all__ = [
+    "CHAT_TEMPLATE",
     "DEFAULT_ALPHABET",
     "addition_records",
+    "calc_records",
+    "chat_addition_records",
     "create",
     "create_char_tokenizer",
+    "create_chat_tokenizer",
+    "create_tiny_chat_model",
     "create_tiny_model",
     "main",
     "quickstart_config",
     "write_addition_dataset",
     "write_addition_splits",
+    "write_chat_datasets",
 ]
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
@@ -82,6 +90,29 @@ def create_tiny_model(
     ``intermediate_size`` defaults to four times ``hidden_size``.
     """
     tokenizer = create_char_tokenizer(directory, alphabet)
+    return _save_tiny_llama(
+        directory,
+        tokenizer,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        intermediate_size=intermediate_size,
+        max_positions=max_positions,
+        seed=seed,
+    )
+
+
+def _save_tiny_llama(
+    directory: str | Path,
+    tokenizer: PreTrainedTokenizerFast,
+    *,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    intermediate_size: int | None,
+    max_positions: int,
+    seed: int,
+) -> LlamaForCausalLM:
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -141,6 +172,112 @@ def _write_jsonl(path: str | Path, records: Iterable[Mapping[str, Any]]) -> Path
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text("".join(json.dumps(record) + "\n" for record in records))
     return target
+
+
+# The chat model: the same character tokenizer plus role markers (special tokens, dropped when
+# decoding), an end-of-turn token that is also the EOS, a BOS the tokenizer puts in front of
+# every text, `<tool_call>` tags (ordinary added tokens: a turn's decoded text keeps them),
+# and a Jinja chat template. One line per message; `tools` are listed by name.
+CHAT_BOS, CHAT_EOS = "<s>", "<|end|>"
+CHAT_ROLES = ("<|system|>", "<|user|>", "<|assistant|>", "<|tool|>")
+CHAT_ALPHABET = DEFAULT_ALPHABET + "{}[]_"
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if tools %}<|system|>tools:{% for tool in tools %} {{ tool.function.name }}{% endfor %}"
+    "{{ eos_token + '\\n' }}{% endif %}"
+    "{% for message in messages %}"
+    "{{ '<|' + message.role + '|>' + message.content + eos_token + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+CHAT_MODEL = {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "max_positions": 256}
+# configs/chat.toml's task: all 100 single-digit additions. The ~0.5M-parameter chat model
+# gets part of the table from its short warm start, and GRPO learns more of it.
+CHAT_DIGITS = 1
+CHAT_TRAIN_EXAMPLES = 100
+CALC_TRAIN_EXAMPLES = 4000
+CALC_SYSTEM_PROMPT = "use calc."
+
+
+def create_chat_tokenizer(directory: str | Path, alphabet: str = CHAT_ALPHABET) -> PreTrainedTokenizerFast:
+    """Save a character tokenizer with role markers, BOS/EOS and a chat template (see above)."""
+    characters = list(dict.fromkeys(alphabet))
+    specials = [PAD, CHAT_BOS, CHAT_EOS, UNK, *CHAT_ROLES]
+    tags = ["<tool_call>", "</tool_call>"]
+    vocab = {token: index for index, token in enumerate([*specials, *tags, *characters])}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{CHAT_BOS} $A", special_tokens=[(CHAT_BOS, vocab[CHAT_BOS])]
+    )
+    backend.add_special_tokens([AddedToken(token, special=True) for token in specials])
+    backend.add_tokens([AddedToken(token, special=False, normalized=False) for token in tags])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token=PAD,
+        eos_token=CHAT_EOS,
+        bos_token=CHAT_BOS,
+        unk_token=UNK,
+        additional_special_tokens=list(CHAT_ROLES),
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(directory))
+    return tokenizer
+
+
+def create_tiny_chat_model(directory: str | Path, *, seed: int = 0, **sizes: int) -> LlamaForCausalLM:
+    """Save a randomly initialised Llama (seeded) with the chat tokenizer in ``directory``."""
+    tokenizer = create_chat_tokenizer(directory)
+    shape = {**CHAT_MODEL, **sizes}
+    return _save_tiny_llama(
+        directory, tokenizer, intermediate_size=shape.pop("intermediate_size", None), seed=seed, **shape
+    )
+
+
+def chat_addition_records(count: int, *, seed: int, digits: int = CHAT_DIGITS) -> list[dict[str, Any]]:
+    """The addition problems as chat: ``{"messages": [user "a+b="], "answer": "a+b"}``."""
+    return [
+        {"messages": [{"role": "user", "content": record["question"]}], "answer": record["answer"]}
+        for record in addition_records(count, seed=seed, digits=digits)
+    ]
+
+
+def calc_records(count: int, *, seed: int) -> list[dict[str, Any]]:
+    """Two-digit multiplications to answer with the ``calc`` tool (python_plugins.tool_use).
+
+    Half open the conversation (``target``: the tool call), half continue it after the call
+    and its result (``target``: the answer): an SFT warm start on ``target`` teaches both
+    halves, and each record is also an episode for the ``Calculator`` environment.
+    """
+    from python_plugins.tool_use import CALC_TOOL
+
+    rng = random.Random(seed)
+    records = []
+    for index in range(count):
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        answer = str(a * b)
+        call = json.dumps({"name": "calc", "arguments": {"expr": f"{a}*{b}"}}, separators=(",", ":"))
+        call = f"<tool_call>{call}</tool_call>"
+        messages = [
+            {"role": "system", "content": CALC_SYSTEM_PROMPT},
+            {"role": "user", "content": f"{a}*{b}?"},
+        ]
+        if index % 2:
+            messages += [{"role": "assistant", "content": call}, {"role": "tool", "content": answer}]
+        target = answer if index % 2 else call
+        records.append({"messages": messages, "tools": [CALC_TOOL], "answer": answer, "target": target})
+    return records
+
+
+def write_chat_datasets(directory: str | Path, *, seed: int) -> tuple[Path, Path]:
+    """Write ``chat_train.jsonl`` (single-digit chat addition) and ``calc_train.jsonl`` (tool use)."""
+    chat = _write_jsonl(
+        Path(directory) / "chat_train.jsonl", chat_addition_records(CHAT_TRAIN_EXAMPLES, seed=seed)
+    )
+    calc = _write_jsonl(Path(directory) / "calc_train.jsonl", calc_records(CALC_TRAIN_EXAMPLES, seed=seed))
+    return chat, calc
 
 
 # configs/quickstart.toml with the model and data paths as placeholders (a test checks the two
@@ -230,7 +367,24 @@ def _create(root: Path, force: bool) -> tuple[dict[str, Any], list[str]]:
     if force or not config.exists():
         config.write_text(quickstart_config(root))
         written.append(str(config))
-    paths = {"model": str(model_dir), "train": str(train), "test": str(test), "config": str(config)}
+    # The chat model and its data (configs/chat.toml, configs/tool_use.toml).
+    chat_dir = root / "chat_model"
+    chat_train, calc_train = data_dir / "chat_train.jsonl", data_dir / "calc_train.jsonl"
+    if force or not (chat_dir / "model.safetensors").exists():
+        create_tiny_chat_model(chat_dir)
+        written.append(str(chat_dir))
+    if force or not (chat_train.exists() and calc_train.exists()):
+        write_chat_datasets(data_dir, seed=0)
+        written += [str(chat_train), str(calc_train)]
+    paths = {
+        "model": str(model_dir),
+        "train": str(train),
+        "test": str(test),
+        "config": str(config),
+        "chat_model": str(chat_dir),
+        "chat_train": str(chat_train),
+        "calc_train": str(calc_train),
+    }
     return {**paths, "parameters": _count_parameters(weights)}, written
 
 
@@ -245,9 +399,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--force", action="store_true", help="overwrite files that already exist")
     args = parser.parse_args(argv)
     result, written = _create(Path(args.directory), args.force)
-    for key in ("model", "train", "test", "config"):
+    for key in ("model", "train", "test", "config", "chat_model", "chat_train", "calc_train"):
         action = "wrote" if result[key] in written else "kept (exists; --force rewrites)"
-        print(f"{key:<6} {result[key]}: {action}")
+        print(f"{key:<10} {result[key]}: {action}")
     print(f"the model has {result['parameters']:,} parameters")
     return 0
 

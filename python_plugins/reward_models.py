@@ -40,6 +40,7 @@ from transformers import (
 )
 from transformers.utils import logging as transformers_logging
 
+from python_plugins.hub_cache import HubCacheMiss, resolve_model_path
 from python_plugins.model_setup import require_safetensors
 from python_plugins.quickstart import DEFAULT_ALPHABET, addition_records, create_char_tokenizer
 from rollout_sdk import ConfigError, Reward, Sample
@@ -76,6 +77,11 @@ def _check_positive(config: Any, *names: str) -> None:
 
 def _check_common(config: Any) -> None:
     """Checks of the options both plugins have; errors name the option."""
+    # A hub id (`org/name`) not on disk is read from the local Hugging Face cache.
+    try:
+        config.model_path = resolve_model_path(config.model_path)
+    except HubCacheMiss as err:
+        raise ConfigError(("model_path",), str(err)) from None
     if not Path(config.model_path).is_dir():
         raise ConfigError(("model_path",), f"`{config.model_path}` is not a directory (a local model)")
     _check_positive(config, "batch_size", "max_length")

@@ -30,6 +30,7 @@ from rollout_sdk.types import (
     Sample,
     SamplingParams,
     SftObjective,
+    Sharding,
     TokenBatch,
     TrainBatch,
 )
@@ -66,6 +67,7 @@ __all__ = [
     "Sample",
     "SamplingParams",
     "SftObjective",
+    "Sharding",
     "StepMetrics",
     "StepResult",
     "TensorFile",

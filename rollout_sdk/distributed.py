@@ -1,11 +1,13 @@
 """Data-parallel training across trainer processes, on torch.distributed.
 
 The Rust trainer role calls :func:`init_process_group` once (``env://`` rendezvous, as under
-``torchrun``: ``MASTER_ADDR`` and ``MASTER_PORT`` name rank 0), builds one
-:class:`GradientReducer`, and calls :meth:`GradientReducer.reduce` after the micro-batches of
-every update and before ``Policy.apply_update``. Every rank's micro-batch losses are already
-scaled by the whole update's token count, so the summed gradients are exactly those of one
-process training on every micro-batch.
+``torchrun``: ``MASTER_ADDR`` and ``MASTER_PORT`` name rank 0) and builds one data-parallel
+group: a :class:`GradientReducer` for replicated ranks, or a :class:`FullyShardedGroup` over
+the modules ``Policy.shard`` sharded. Each update it calls ``before_micro_batch`` ahead of
+every micro-batch's ``train_step`` and ``reduce`` after the last one, before
+``Policy.apply_update``. Every rank's micro-batch losses are already scaled by the whole
+update's token count, so the summed gradients are exactly those of one process training on
+every micro-batch.
 
 Compression runs torch's own DDP communication hooks (``fp16_compress_hook``,
 ``bf16_compress_hook``, ``powerSGD_hook``) on one flattened bucket of every gradient; the
@@ -23,10 +25,14 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from torch.distributed.tensor import DTensor
+
+from rollout_sdk.types import Sharding
 
 __all__ = [
     "COMPRESSIONS",
     "FlatGradBucket",
+    "FullyShardedGroup",
     "GradientReducer",
     "init_process_group",
     "leave_process_group",
@@ -58,6 +64,10 @@ def init_process_group(
         backend = "nccl" if on_cuda else "gloo"
     if backend == "nccl" and not on_cuda:
         raise ValueError("cluster.backend = 'nccl' needs the policy on a CUDA device; use 'gloo' or 'auto'")
+    if backend == "nccl":
+        # NCCL's communicator and barriers use the current device: the parameters' (cuda:0 of
+        # the rank's CUDA_VISIBLE_DEVICES when `rollout launch` gave it one GPU), not LOCAL_RANK.
+        torch.cuda.set_device(next(p.device for p in parameters if p.device.type == "cuda"))
     dist.init_process_group(
         backend=backend,
         init_method="env://",
@@ -145,6 +155,9 @@ class GradientReducer:
             else None
         )
 
+    def before_micro_batch(self, last: bool) -> None:
+        """Nothing to do: replicated ranks reduce once, in :meth:`reduce`."""
+
     def reduce(self, parameters: Sequence[torch.nn.Parameter]) -> dict[str, float]:
         """All-reduces the gradients in place (a rank without micro-batches this update
         contributes zeros); returns the bytes this rank sent into the all-reduce and the
@@ -182,3 +195,47 @@ class GradientReducer:
         powerSGD_hook.powerSGD_hook(state, bucket).wait()  # type: ignore[arg-type]
         numel = state.total_numel_after_compression - compressed_before or flat.numel()
         return numel * flat.element_size()
+
+
+class FullyShardedGroup:
+    """The data-parallel group of FSDP2-sharded ranks.
+
+    ``roots`` are the modules ``Policy.shard`` wrapped with ``fully_shard``. Their gradients
+    are reduce-scattered during the backward pass of an update's last micro-batch only
+    (earlier ones accumulate unsharded gradients locally) and summed, not averaged, as the
+    engine's loss scaling expects. Parameters outside them (PPO's value head) stay
+    replicated and are all-reduced in :meth:`reduce`. Every rank must run the same number
+    of micro-batches: the engine pads short ranks with passes whose loss scale is 0.
+    """
+
+    def __init__(self, roots: Sequence[torch.nn.Module], sharding: Sharding) -> None:
+        if not roots:
+            raise ValueError("Policy.shard returned no sharded module")
+        for root in roots:
+            if not hasattr(root, "set_requires_gradient_sync"):
+                raise TypeError(f"Policy.shard returned {type(root).__name__}, not a fully_shard module")
+            root.set_gradient_divide_factor(1.0)
+        self.roots = list(roots)
+        self.reduce_dtype = getattr(torch, sharding.reduce_dtype) if sharding.reduce_dtype else None
+        self._replicated = GradientReducer()
+
+    def before_micro_batch(self, last: bool) -> None:
+        for root in self.roots:
+            root.set_requires_gradient_sync(last)
+
+    def reduce(self, parameters: Sequence[torch.nn.Parameter]) -> dict[str, float]:
+        """All-reduces the replicated parameters' gradients; returns the bytes this rank sent
+        for gradient reduction (its share of the reduce-scatters, plus the all-reduce)."""
+        started = time.perf_counter()
+        sharded = [p for p in parameters if isinstance(p, DTensor)]
+        replicated = [p for p in parameters if not isinstance(p, DTensor) and p.requires_grad]
+        sent = 0.0
+        if replicated:
+            sent += self._replicated.reduce(replicated)["grad_allreduce_bytes"]
+        world = dist.get_world_size()
+        for param in sharded:
+            if param.grad is not None:
+                # A ring reduce-scatter sends (world - 1) of every world parts of the buffer.
+                itemsize = (self.reduce_dtype or param.dtype).itemsize
+                sent += param.numel() * itemsize * (world - 1) / world
+        return {"grad_allreduce_bytes": sent, "grad_allreduce_seconds": time.perf_counter() - started}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -10,7 +10,14 @@ import numpy as np
 from rollout_sdk.engine import EngineStep, EngineStepOutput, KvLayout
 from rollout_sdk.plugin import Plugin
 from rollout_sdk.snapshot import Snapshot
-from rollout_sdk.types import Generation, GenerationRequest, SamplingParams, TokenBatch, TrainBatch
+from rollout_sdk.types import (
+    Generation,
+    GenerationRequest,
+    SamplingParams,
+    Sharding,
+    TokenBatch,
+    TrainBatch,
+)
 
 __all__ = ["Policy"]
 
@@ -76,8 +83,12 @@ class Policy(Plugin):
         """
         raise NotImplementedError
 
-    def export_weights(self) -> dict[str, np.ndarray]:
-        """The current weights by parameter name, as safetensors would store them."""
+    def export_weights(self) -> Mapping[str, np.ndarray] | Iterable[tuple[str, np.ndarray]]:
+        """The current weights by parameter name, as safetensors would store them.
+
+        A mapping, or an iterable of ``(name, array)`` pairs that the engine consumes one at a
+        time (a sharded policy gathers each tensor as it is asked for).
+        """
         raise NotImplementedError
 
     def import_weights(self, weights: Mapping[str, np.ndarray]) -> None:
@@ -89,6 +100,19 @@ class Policy(Plugin):
 
         Needed for data-parallel training (``[cluster] trainers > 1``): their gradients are
         all-reduced across trainer ranks between the micro-batches and ``apply_update``.
+        """
+        raise NotImplementedError
+
+    def shard(self, sharding: Sharding) -> list[Any]:
+        """Shard the model over the trainers' process group (``[train] sharding = "fsdp"``).
+
+        Called once on every trainer rank, after the group is joined and before any training
+        or checkpoint loading. Returns the sharded root modules (FSDP2 ``FSDPModule``s), whose
+        gradient synchronisation the engine turns off for all but the last micro-batch of an
+        update. From then on ``trainable_parameters`` may be ``DTensor``s, ``export_weights``
+        may yield ``(name, array)`` pairs (full tensors on rank 0 only, every rank taking part
+        in the gathers), and ``snapshot``/``save`` write this rank's shard of the state.
+        Raise ``NotImplementedError`` (the default) if the policy cannot be sharded.
         """
         raise NotImplementedError
 
@@ -127,6 +151,17 @@ class Policy(Plugin):
     def engine_step(self, step: EngineStep) -> EngineStepOutput:
         """Run one forward pass of the engine's batch and sample (see :mod:`rollout_sdk.engine`)."""
         raise NotImplementedError
+
+    def release_memory(self) -> None:
+        """Free the device memory generation holds (KV cache, weights) until ``restore_memory``.
+
+        Called on generation workers that share their devices with trainer ranks
+        (``[cluster.devices] colocate = true``) before every update. The default keeps
+        everything.
+        """
+
+    def restore_memory(self) -> None:
+        """Take back what ``release_memory`` freed, before the next generation."""
 
     def describe(self) -> Mapping[str, Any]:
         """Facts for logs and the run summary (parameter count, dtype, device...)."""

@@ -25,6 +25,7 @@ __all__ = [
     "Sample",
     "SamplingParams",
     "SftObjective",
+    "Sharding",
     "TokenBatch",
     "TrainBatch",
 ]
@@ -155,6 +156,25 @@ class TrainBatch:
     # per token like ``advantages``.
     returns: np.ndarray | None = None
     old_values: np.ndarray | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Sharding:
+    """How trainer ranks hold the policy (``[train] sharding`` and ``[train.fsdp]``).
+
+    ``mode`` "fsdp" shards parameters, gradients and optimizer state over the trainers'
+    process group (FSDP2 ``fully_shard`` per decoder block and at the root). ``param_dtype``
+    is the dtype blocks compute in once gathered ("" keeps the parameters' own) and
+    ``reduce_dtype`` the dtype gradients are reduced in; ``reshard_after_forward`` frees a
+    block's gathered parameters after its forward pass (gathered again for backward);
+    ``offload`` keeps the sharded parameters, gradients and optimizer state in CPU memory.
+    """
+
+    mode: Literal["replicate", "fsdp"]
+    param_dtype: str = ""
+    reduce_dtype: str = "float32"
+    reshard_after_forward: bool = True
+    offload: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -42,6 +42,7 @@ def test_describe_and_special_tokens(tiny_model_dir):
         "parameters": sum(p.numel() for p in policy.model.parameters()),
         "dtype": "float32",
         "device": "cpu",
+        "sharding": "replicate",
     }
     assert policy.eos_token_ids() == [tokenizer.eos_token_id]
     assert policy.encode(["12+3="]) == [tokenizer("12+3=", add_special_tokens=False)["input_ids"]]

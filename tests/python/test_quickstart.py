@@ -84,8 +84,18 @@ def test_more_problems_than_exist_is_an_error(tmp_path):
 
 def test_create_is_idempotent_and_force_rewrites(tmp_path, capsys):
     written = quickstart.create(str(tmp_path), False)
-    assert set(written) == {"model", "train", "test", "config", "parameters"}
+    assert set(written) == {
+        "model",
+        "train",
+        "test",
+        "config",
+        "parameters",
+        "chat_model",
+        "chat_train",
+        "calc_train",
+    }
     assert AutoTokenizer.from_pretrained(written["model"]) is not None
+    assert AutoTokenizer.from_pretrained(written["chat_model"]).chat_template == quickstart.CHAT_TEMPLATE
     weights = tmp_path / "model" / "model.safetensors"
     train = tmp_path / "data" / "train.jsonl"
     stamps = weights.stat().st_mtime_ns, train.stat().st_mtime_ns
@@ -109,3 +119,14 @@ def test_the_written_config_is_the_repositorys_quickstart_with_paths_under_the_d
         return [line for line in text.splitlines() if line.strip() and not line.startswith("#")]
 
     assert settings(Path(written["config"]).read_text()) == settings(repo)
+
+
+def test_the_chat_data_is_seeded_and_has_both_halves_of_a_tool_episode(tmp_path):
+    chat, calc = quickstart.write_chat_datasets(tmp_path, seed=0)
+    again = quickstart.write_chat_datasets(tmp_path / "again", seed=0)
+    assert (chat.read_bytes(), calc.read_bytes()) == (again[0].read_bytes(), again[1].read_bytes())
+    first = json.loads(chat.read_text().splitlines()[0])
+    assert first["messages"][0]["role"] == "user" and first["answer"].isdigit()
+    opening, continued = (json.loads(line) for line in calc.read_text().splitlines()[:2])
+    assert opening["target"].startswith("<tool_call>") and opening["messages"][-1]["role"] == "user"
+    assert continued["target"] == continued["answer"] and continued["messages"][-1]["role"] == "tool"

@@ -63,6 +63,15 @@ pub trait Generator: Send + Sync {
     fn resumed_from(&self, _step: u64) -> RoleFuture<'_, ()> {
         Box::pin(async { Ok(()) })
     }
+    /// The learner is about to step on devices the generator shares (colocated): free what
+    /// generation holds there until [`Generator::restore_memory`]. Nothing by default.
+    fn release_memory(&self) -> RoleFuture<'_, ()> {
+        Box::pin(async { Ok(()) })
+    }
+    /// Takes back what [`Generator::release_memory`] freed, before the next generation.
+    fn restore_memory(&self) -> RoleFuture<'_, ()> {
+        Box::pin(async { Ok(()) })
+    }
 }
 
 pub trait Scorer: Send + Sync {

@@ -433,7 +433,7 @@ mod tests {
             assert_eq!(MessageKind::from_u16(kind.as_u16()), Some(kind));
         }
         assert_eq!(MessageKind::from_u16(0), None);
-        assert_eq!(MessageKind::from_u16(24), None);
+        assert_eq!(MessageKind::from_u16(25), None);
     }
 
     #[test]

@@ -497,6 +497,16 @@ pub struct Shutdown {
     pub reason: String,
 }
 
+/// Controller -> colocated generation worker, answered with [`Done`]: free the device
+/// memory generation holds (KV cache, weights moved to the host) while the trainers step
+/// (`Release`), or take it back before generating (`Restore`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GeneratorMemory {
+    Release,
+    Restore,
+}
+
 /// The type of a frame, written as a `u16` in its preamble. Numbers are part of the wire
 /// protocol: never reuse or renumber one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -525,10 +535,11 @@ pub enum MessageKind {
     Shutdown = 21,
     ValuesRequest = 22,
     ValuesResponse = 23,
+    GeneratorMemory = 24,
 }
 
 impl MessageKind {
-    pub const ALL: [MessageKind; 23] = [
+    pub const ALL: [MessageKind; 24] = [
         MessageKind::Hello,
         MessageKind::Heartbeat,
         MessageKind::Error,
@@ -552,6 +563,7 @@ impl MessageKind {
         MessageKind::Shutdown,
         MessageKind::ValuesRequest,
         MessageKind::ValuesResponse,
+        MessageKind::GeneratorMemory,
     ];
 
     /// The kind numbered `n`, if there is one.
@@ -569,7 +581,7 @@ impl MessageKind {
         use MessageKind::*;
         match self {
             Hello | Heartbeat | Done | Shutdown | PublishWeights | WeightsReport | SyncWeights
-            | PullWeights | CheckpointRequest => 64 << 10,
+            | PullWeights | CheckpointRequest | GeneratorMemory => 64 << 10,
             Error => 4 << 20,
             Welcome | WeightsBucket | WeightsUpdate => 16 << 20,
             GenerateRequest | GenerateResponse | ScoreRequest | ScoreResponse | TrainRequest
@@ -611,6 +623,7 @@ impl MessageKind {
             MessageKind::Shutdown => "Shutdown",
             MessageKind::ValuesRequest => "ValuesRequest",
             MessageKind::ValuesResponse => "ValuesResponse",
+            MessageKind::GeneratorMemory => "GeneratorMemory",
         }
     }
 }
@@ -658,4 +671,5 @@ impl_message! {
     Shutdown => Shutdown,
     ValuesRequest => ValuesRequest,
     ValuesResponse => ValuesResponse,
+    GeneratorMemory => GeneratorMemory,
 }

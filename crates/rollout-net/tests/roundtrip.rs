@@ -273,6 +273,7 @@ fn samples() -> Vec<Frame> {
             },
             Bytes::new(),
         ),
+        Frame::from_message(&GeneratorMemory::Release, Bytes::new()),
     ];
     frames.into_iter().map(Result::unwrap).collect()
 }

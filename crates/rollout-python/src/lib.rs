@@ -8,6 +8,7 @@
 
 pub mod contract;
 mod error;
+pub mod export;
 pub mod hosts;
 pub mod interpreter;
 mod paged_generator;

@@ -169,6 +169,12 @@ impl PagedGenerator {
             .ok_or_else(|| RoleError::Protocol("the KV cache could not be allocated".into()))
     }
 
+    /// The KV cache's contents are gone (the policy released and reallocated it): nothing
+    /// cached may be reused by the next request.
+    pub async fn forget_cached_prefixes(&self) {
+        self.state.lock().await.weight_version = None;
+    }
+
     /// Completes every prompt of `request` with the weights of `weight_version`.
     pub async fn generate(
         &self,

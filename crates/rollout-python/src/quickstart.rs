@@ -6,15 +6,14 @@ use std::path::PathBuf;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::interpreter::{PythonError, PythonSetup, PythonWorker};
+use rollout_core::config::PythonConfig;
+
+use crate::interpreter::PythonError;
 
 /// Creates the quickstart's files under `dir` (replacing them with `force`); returns what was
 /// created, as JSON.
 pub async fn create(dir: PathBuf, force: bool) -> Result<String, PythonError> {
-    let setup = PythonSetup::discover(None, &[])?;
-    let worker = tokio::task::spawn_blocking(move || PythonWorker::start(setup))
-        .await
-        .map_err(|err| PythonError::Setup(format!("the Python start-up task failed: {err}")))??;
+    let worker = crate::interpreter::start(&PythonConfig::default()).await?;
     worker
         .run(move |py| {
             let created = (|| {

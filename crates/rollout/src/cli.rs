@@ -132,6 +132,15 @@ pub(crate) enum Command {
         #[command(flatten)]
         sweep: rollout_sweep::Options,
     },
+    /// Write a checkpoint's policy as a Hugging Face model directory that `from_pretrained`
+    /// loads (a LoRA policy as a PEFT adapter directory), from replicated or sharded
+    /// checkpoints alike.
+    Export {
+        /// A checkpoint directory (`OUTPUT_DIR/checkpoints/step-N`).
+        checkpoint: PathBuf,
+        /// Where to write the model; must not exist.
+        dir: PathBuf,
+    },
     /// Create the quickstart's tiny model, tokenizer and addition dataset (no downloads).
     InitQuickstart {
         /// Where to write them.

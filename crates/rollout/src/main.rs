@@ -234,6 +234,11 @@ async fn execute(command: Command) -> anyhow::Result<()> {
             println!("{}\nsweep done: {}", outcome.table, outcome.dir.display());
             Ok(())
         }
+        Command::Export { checkpoint, dir } => {
+            let written = rollout_python::export::export(checkpoint.clone(), dir).await?;
+            println!("exported {} to {written}", checkpoint.display());
+            Ok(())
+        }
         Command::InitQuickstart { dir, force } => init_quickstart(dir, force).await,
     }
 }

@@ -327,6 +327,12 @@ fn plan_names_a_missing_model_directory() {
     assert!(err.contains("no/such/model/config.json"), "{err}");
 }
 
+/// The quickstart's chat model (`rollout init-quickstart`): its character vocabulary and
+/// role-marker tokens.
+const CHAT_MODEL: &str = r#"{"model_type": "llama", "hidden_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 512,
+    "vocab_size": 68, "max_position_embeddings": 256, "tie_word_embeddings": false}"#;
+
 /// The demo reward model of `python -m python_plugins.reward_models create-demo`.
 const REWARD_MODEL: &str = r#"{"architectures": ["LlamaForSequenceClassification"],
     "model_type": "llama", "hidden_size": 32, "num_hidden_layers": 2,
@@ -343,6 +349,7 @@ fn plan_covers_every_shipped_config() {
     let tmp = tempfile::tempdir().unwrap();
     for (dir, text) in [
         ("artifacts/quickstart/model", MODEL),
+        ("artifacts/quickstart/chat_model", CHAT_MODEL),
         ("artifacts/reward_model", REWARD_MODEL),
     ] {
         std::fs::create_dir_all(tmp.path().join(dir)).unwrap();

@@ -8,11 +8,12 @@ use std::path::PathBuf;
 use bytes::Bytes;
 use rollout_net::NetError;
 use rollout_net::messages::{
-    CheckpointRequest, Done, Message, PublishWeights, Shutdown, TrainRequest, TrainResponse,
-    ValuesRequest, ValuesResponse, WeightsReport,
+    CheckpointRequest, Done, Message, MicroBatch, PublishWeights, Shutdown, TrainRequest,
+    TrainResponse, ValuesRequest, ValuesResponse, WeightsReport,
 };
 use rollout_net::rpc::{Call, RpcClient};
 
+use crate::config::Sharding;
 use crate::roles::{Learner, RoleError, RoleFuture, SaveWritten};
 
 fn role_error(err: NetError) -> RoleError {
@@ -47,11 +48,24 @@ pub(super) fn send<Req: Message + 'static, Resp: Message + Send + 'static>(
 /// Data-parallel trainer ranks, `ranks[r]` being rank `r`.
 pub struct RemoteTrainers {
     ranks: Vec<RpcClient>,
+    /// The ranks shard the policy (`[train] sharding = "fsdp"`): each holds part of the
+    /// state, so every rank saves its part, only rank 0 holds whole weights to publish, and
+    /// every rank must run as many forward passes as the others (its collectives with them).
+    sharded: bool,
 }
 
 impl RemoteTrainers {
-    pub fn new(ranks: Vec<RpcClient>) -> Self {
-        Self { ranks }
+    pub fn new(ranks: Vec<RpcClient>, sharding: Sharding) -> Self {
+        Self {
+            ranks,
+            sharded: sharding == Sharding::Fsdp,
+        }
+    }
+
+    /// Rank 0, or every rank when each holds a part of the state.
+    fn savers(&self) -> &[RpcClient] {
+        let count = if self.sharded { self.ranks.len() } else { 1 };
+        &self.ranks[..count.min(self.ranks.len())]
     }
 
     /// Shuts every rank down at once: ranks leave their process group together, at a
@@ -91,6 +105,14 @@ impl RemoteTrainers {
     }
 }
 
+/// A pass that contributes nothing but its collectives: `batch` with no token in its loss.
+fn padding_pass(batch: &MicroBatch) -> MicroBatch {
+    let mut padding = batch.clone();
+    padding.loss_mask.iter_mut().for_each(|m| *m = 0.0);
+    padding.loss_scale = 0.0;
+    padding
+}
+
 /// Merges the ranks' metrics: means weighted by each rank's loss tokens, times as the
 /// slowest rank's (the update waits for it).
 fn merge_rank_metrics(answers: &[TrainResponse], tokens: &[usize]) -> BTreeMap<String, f64> {
@@ -126,8 +148,20 @@ impl Learner for RemoteTrainers {
                 epochs: request.epochs,
             })
             .collect();
+        let padding = self
+            .sharded
+            .then(|| request.micro_batches.first().map(padding_pass))
+            .flatten();
         for (index, batch) in request.micro_batches.into_iter().enumerate() {
             shards[index % world].micro_batches.push(batch);
+        }
+        if let Some(padding) = padding {
+            let longest = shards.iter().map(|s| s.micro_batches.len()).max();
+            for shard in &mut shards {
+                shard
+                    .micro_batches
+                    .resize(longest.unwrap_or(0), padding.clone());
+            }
         }
         let tokens: Vec<usize> = shards
             .iter()
@@ -155,7 +189,8 @@ impl Learner for RemoteTrainers {
 
     /// Micro-batches are dealt to the ranks as `train` deals them; a rank dealt none gets a
     /// copy of the first (its answer dropped), so every rank builds its value head before
-    /// the update all-reduces its gradients.
+    /// the update all-reduces its gradients. Sharded ranks are all given as many as the
+    /// busiest one, since each forward pass gathers with the others.
     fn values(&self, request: ValuesRequest) -> RoleFuture<'_, ValuesResponse> {
         let world = self.ranks.len().max(1);
         let count = request.micro_batches.len();
@@ -171,8 +206,16 @@ impl Learner for RemoteTrainers {
             })
             .collect();
         if let Some(first) = request.micro_batches.first() {
-            for shard in shards.iter_mut().filter(|s| s.micro_batches.is_empty()) {
-                shard.micro_batches.push(first.clone());
+            let longest = shards.iter().map(|s| s.micro_batches.len()).max();
+            let wanted = if self.sharded {
+                longest.unwrap_or(1)
+            } else {
+                1
+            };
+            for shard in &mut shards {
+                while shard.micro_batches.len() < wanted {
+                    shard.micro_batches.push(first.clone());
+                }
             }
         }
         let answers = self.on_every_rank::<_, ValuesResponse>(shards);
@@ -192,37 +235,52 @@ impl Learner for RemoteTrainers {
         })
     }
 
+    /// Rank 0 writes the policy's files; sharded, every rank writes its part.
     fn save(&self, directory: PathBuf) -> RoleFuture<'_, ()> {
         let directory = directory.to_string_lossy().into_owned();
-        let done = self
-            .ranks
-            .first()
-            .map(|rank0| send::<_, Done>(rank0, &CheckpointRequest::Save { directory }));
+        let done: Vec<_> = self
+            .savers()
+            .iter()
+            .map(|rank| {
+                let request = CheckpointRequest::Save {
+                    directory: directory.clone(),
+                };
+                send::<_, Done>(rank, &request)
+            })
+            .collect();
         Box::pin(async move {
-            done.ok_or_else(|| RoleError::Protocol("no trainer rank".into()))?
-                .await?;
+            if done.is_empty() {
+                return Err(RoleError::Protocol("no trainer rank".into()));
+            }
+            futures_util::future::try_join_all(done).await?;
             Ok(())
         })
     }
 
-    /// Rank 0 copies its state and answers; `Written` is sent at once, queued behind it, and
-    /// answered when rank 0's writer finishes (rank 0 keeps training meanwhile).
+    /// The saving ranks copy their state and answer; `Written` is sent at once, queued
+    /// behind it, and answered when a rank's writer finishes (it keeps training meanwhile).
     fn save_in_background(&self, directory: PathBuf) -> RoleFuture<'_, SaveWritten> {
         let directory = directory.to_string_lossy().into_owned();
-        let calls = self.ranks.first().map(|rank0| {
-            let copied = send::<_, Done>(
-                rank0,
-                &CheckpointRequest::SaveInBackground {
+        let (copied, written): (Vec<_>, Vec<_>) = self
+            .savers()
+            .iter()
+            .map(|rank| {
+                let copy = CheckpointRequest::SaveInBackground {
                     directory: directory.clone(),
-                },
-            );
-            let written = send::<_, Done>(rank0, &CheckpointRequest::Written { directory });
-            (copied, written)
-        });
+                };
+                let copied = send::<_, Done>(rank, &copy);
+                let written = CheckpointRequest::Written {
+                    directory: directory.clone(),
+                };
+                (copied, send::<_, Done>(rank, &written))
+            })
+            .unzip();
         Box::pin(async move {
-            let (copied, written) =
-                calls.ok_or_else(|| RoleError::Protocol("no trainer rank".into()))?;
-            copied.await?;
+            if copied.is_empty() {
+                return Err(RoleError::Protocol("no trainer rank".into()));
+            }
+            futures_util::future::try_join_all(copied).await?;
+            let written = futures_util::future::try_join_all(written);
             Ok(Box::pin(async move { written.await.map(drop) }) as SaveWritten)
         })
     }
@@ -247,12 +305,17 @@ impl Learner for RemoteTrainers {
     fn publish_weights(&self, bucket_bytes: u64) -> RoleFuture<'_, WeightsReport> {
         let requests = vec![PublishWeights { bucket_bytes }; self.ranks.len()];
         let reports = self.on_every_rank::<_, WeightsReport>(requests);
+        let sharded = self.sharded;
         Box::pin(async move {
             let mut reports = reports.await?;
             if reports.is_empty() {
                 return Err(RoleError::Protocol("no trainer rank".into()));
             }
             let rank0 = reports.remove(0);
+            if sharded {
+                // Only rank 0 gathers whole weights; the others hold parts of them.
+                return Ok(rank0);
+            }
             for (rank, report) in reports.iter().enumerate() {
                 if report.checksum != rank0.checksum || report.version != rank0.version {
                     return Err(RoleError::Protocol(format!(
@@ -284,6 +347,28 @@ mod tests {
             metrics: pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
             weight_version: 1,
         }
+    }
+
+    #[test]
+    fn a_padding_pass_keeps_the_shape_and_trains_on_nothing() {
+        let batch = MicroBatch {
+            rows: 1,
+            width: 3,
+            input_ids: vec![5, 6, 7],
+            attention_mask: vec![1, 1, 1],
+            loss_mask: vec![0.0, 1.0, 1.0],
+            advantages: vec![0.0, 0.5, 0.5],
+            old_logprobs: vec![0.0, -1.0, -1.0],
+            loss_scale: 0.5,
+            objective: rollout_net::messages::Objective::Sft,
+            returns: Vec::new(),
+            old_values: Vec::new(),
+        };
+        let padding = padding_pass(&batch);
+        assert_eq!(padding.loss_tokens(), 0);
+        assert_eq!(padding.loss_scale, 0.0);
+        assert_eq!(padding.input_ids, batch.input_ids);
+        assert_eq!(padding.padded_tokens(), batch.padded_tokens());
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! The TOML run configuration.
 
 mod agents;
+mod devices;
 mod load;
 mod loaded;
 mod location;
@@ -8,6 +9,10 @@ mod schema;
 mod validate;
 
 pub use agents::{AgentConfig, AgentSpec};
+pub use devices::{
+    DeviceAssignment, DeviceEntry, DeviceSpec, DevicesConfig, Misplaced, ProcessDevices,
+    VisibleDevices, assign, assign_devices,
+};
 pub use load::{load, load_text, parse_override_value, suggest, with_suggestion};
 pub use loaded::{ConfigError, LoadedConfig};
 pub use location::{KeyPath, Location, Segment};

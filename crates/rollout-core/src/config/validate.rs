@@ -143,6 +143,7 @@ pub fn validate(loaded: &LoadedConfig) -> Result<(), ConfigError> {
         "cluster.backend",
         "must be \"auto\", \"gloo\" or \"nccl\"",
     )?;
+    super::devices::validate_devices(loaded)?;
     let listen = config.metrics.listen.as_str();
     check(
         listen.is_empty() || listen.parse::<std::net::SocketAddr>().is_ok(),

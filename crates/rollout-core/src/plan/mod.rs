@@ -4,6 +4,7 @@
 //! peak exceeds what a device has before anything heavy is loaded. See docs/memory.md.
 
 mod estimate;
+mod hub_cache;
 mod memory;
 mod model;
 mod options;

@@ -80,9 +80,10 @@ pub struct Linear {
 }
 
 impl ModelShape {
-    /// Reads `dir/config.json`.
+    /// Reads `dir/config.json`; a `dir` that is a hub id (`org/name`) not on disk is read
+    /// from the local Hugging Face cache (see [`super::hub_cache`]).
     pub fn read(dir: &Path) -> Result<Self, PlanError> {
-        let path = dir.join("config.json");
+        let path = super::hub_cache::resolve(dir).join("config.json");
         let text = std::fs::read_to_string(&path).map_err(|source| PlanError::ModelConfig {
             path: path.clone(),
             message: source.to_string(),

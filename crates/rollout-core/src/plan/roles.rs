@@ -10,7 +10,7 @@ use super::estimate::{
 use super::model::ModelShape;
 use super::options::{Device, Quantization, RewardModel};
 use super::workload::Workload;
-use crate::config::Config;
+use crate::config::{Config, FsdpConfig, Sharding};
 
 /// A separately loaded model the policy holds besides its own (reference, draft).
 #[derive(Debug, Clone, PartialEq)]
@@ -108,6 +108,14 @@ pub fn launch(inputs: &Inputs<'_>) -> Vec<Role> {
     let workload = Workload::of(inputs.config, inputs.policy.shape, inputs.samples, ranks);
     for rank in 0..ranks {
         let mut components = runtime(device, process_runtime(inputs));
+        if inputs.config.train.sharding == Sharding::Fsdp {
+            components.extend(sharded_trainer_rank(inputs, &workload, ranks, rank == 0));
+            roles.push(Role {
+                name: format!("trainer {rank}"),
+                components,
+            });
+            continue;
+        }
         components.push(inputs.policy.weights());
         components.extend(training(inputs, &workload, ranks, rank == 0));
         if inputs.samples && rank == 0 {
@@ -203,23 +211,9 @@ fn generation(inputs: &Inputs<'_>, workload: &Workload) -> Vec<Component> {
 /// Gradients, optimizer, activations, the reference and checkpoint copies of one trainer
 /// (of `ranks`); `first` holds the checkpoint copy.
 fn training(inputs: &Inputs<'_>, workload: &Workload, ranks: u64, first: bool) -> Vec<Component> {
-    let config = inputs.config;
     let policy = &inputs.policy;
     let options = policy.options;
-    let micro = config.train.micro_batch_tokens as u64;
-    // The value head needs every position's hidden state: PPO's passes share no prompts.
-    let share =
-        options.share_prompt_prefix && !options.gradient_checkpointing && policy.value_head == 0;
-    let mut tokens = if inputs.samples {
-        workload.train_tokens(micro, share)
-    } else {
-        let pairs = if inputs.pairs { 2 } else { 1 };
-        workload.supervised_tokens(workload.prompts * pairs, micro)
-    };
-    if let Some(sft) = &config.sft {
-        let rows = (sft.batch_size as u64).div_ceil(ranks);
-        tokens = tokens.max(workload.supervised_tokens(rows, micro));
-    }
+    let tokens = train_tokens(inputs, workload, ranks, true);
     let mut parts = vec![policy.gradients()];
     parts.extend(policy.optimizer());
     parts.extend(policy.activations(tokens));
@@ -241,6 +235,178 @@ fn training(inputs: &Inputs<'_>, workload: &Workload, ranks: u64, first: bool) -
         parts.push(snapshot(inputs));
     }
     parts
+}
+
+/// Token positions of a rank's largest training micro-batch. `may_share`: whether the
+/// policy may run each distinct prompt once (sharded ranks never do).
+fn train_tokens(inputs: &Inputs<'_>, workload: &Workload, ranks: u64, may_share: bool) -> u64 {
+    let config = inputs.config;
+    let policy = &inputs.policy;
+    let options = policy.options;
+    let micro = config.train.micro_batch_tokens as u64;
+    // The value head needs every position's hidden state: PPO's passes share no prompts.
+    let share = may_share
+        && options.share_prompt_prefix
+        && !options.gradient_checkpointing
+        && policy.value_head == 0;
+    let mut tokens = if inputs.samples {
+        workload.train_tokens(micro, share)
+    } else {
+        let pairs = if inputs.pairs { 2 } else { 1 };
+        workload.supervised_tokens(workload.prompts * pairs, micro)
+    };
+    if let Some(sft) = &config.sft {
+        let rows = (sft.batch_size as u64).div_ceil(ranks);
+        tokens = tokens.max(workload.supervised_tokens(rows, micro));
+    }
+    tokens
+}
+
+/// The memory of one FSDP2-sharded trainer rank (`[train] sharding = "fsdp"`): a `1/ranks`
+/// shard of the weights, gradients and optimizer state (in host memory with
+/// `[train.fsdp] offload`), the blocks gathered while they compute, and the activations,
+/// reference and checkpoint copy as a replicated rank has them; `first` (rank 0) also holds
+/// the whole weights it gathers for the generation workers.
+fn sharded_trainer_rank(
+    inputs: &Inputs<'_>,
+    workload: &Workload,
+    ranks: u64,
+    first: bool,
+) -> Vec<Component> {
+    let policy = &inputs.policy;
+    let fsdp = &inputs.config.train.fsdp;
+    let device = policy.options.device;
+    let state_device = if fsdp.offload { Device::Cpu } else { device };
+    let share = |bytes: f64| bytes / ranks as f64;
+    let weights = policy.weights();
+    let mut parts = vec![component(
+        "weights",
+        state_device,
+        share(weights.bytes as f64),
+        Phases::ALL,
+        format!("1/{ranks} of {}", weights.detail),
+    )];
+    parts.extend(loading(inputs, device));
+    parts.push(gathered(inputs, fsdp, device));
+    let gradients = policy.gradients();
+    parts.push(component(
+        "gradients",
+        state_device,
+        share(gradients.bytes as f64),
+        Phases::TRAIN,
+        format!("1/{ranks} of {}", gradients.detail),
+    ));
+    if let Some(unsharded) = accumulated_gradients(inputs, workload) {
+        parts.push(unsharded);
+    }
+    for optimizer in policy.optimizer() {
+        parts.push(component(
+            "optimizer state",
+            state_device,
+            share(optimizer.bytes as f64),
+            Phases::AFTER_LOAD,
+            format!("1/{ranks} of {}", optimizer.detail),
+        ));
+    }
+    let tokens = train_tokens(inputs, workload, ranks, false);
+    parts.extend(policy.activations(tokens));
+    parts.extend(policy.value_head(tokens).into_iter().flatten());
+    for reference in reference(inputs, tokens) {
+        let sharded = reference.name == "reference model";
+        parts.push(Component {
+            bytes: if sharded {
+                share(reference.bytes as f64) as u64
+            } else {
+                reference.bytes
+            },
+            ..reference
+        });
+    }
+    if let Some(retained) = heap_retention(inputs, &parts, tokens) {
+        parts.push(retained);
+    }
+    let snapshot = snapshot(inputs);
+    parts.push(Component {
+        bytes: share(snapshot.bytes as f64) as u64,
+        detail: format!("this rank's 1/{ranks}: {}", snapshot.detail),
+        ..snapshot
+    });
+    if first && inputs.samples {
+        parts.push(component(
+            "weight export",
+            Device::Cpu,
+            (policy.trainable * 4) as f64,
+            Phases::CHECKPOINT,
+            "the whole float32 weights gathered for the workers, one tensor at a time".into(),
+        ));
+    }
+    parts
+}
+
+/// Each rank loads the whole model before sharding it: the loaded weights on the policy's
+/// device, and the pages of the safetensors file mapped in host memory while they are read.
+fn loading(inputs: &Inputs<'_>, device: Device) -> [Component; 2] {
+    let whole = inputs.policy.weights().bytes as f64;
+    [
+        component(
+            "whole weights (loading)",
+            device,
+            whole,
+            Phases::LOAD,
+            "the model as loaded, before it is sharded and freed".into(),
+        ),
+        component(
+            "mapped weights file",
+            Device::Cpu,
+            whole,
+            Phases::LOAD,
+            "safetensors pages mapped while the weights are read".into(),
+        ),
+    ]
+}
+
+/// Parameters FSDP2 holds unsharded while they compute: the root's (embeddings, final norm,
+/// LM head: gathered for the whole forward and backward pass) and two decoder blocks (the one
+/// computing and the one prefetched), in the dtype they compute in.
+fn gathered(inputs: &Inputs<'_>, fsdp: &FsdpConfig, device: Device) -> Component {
+    let params = &inputs.policy.params;
+    let layers = inputs.policy.shape.num_layers.max(1);
+    let root = params.embedding + params.final_norm + params.lm_head;
+    let block = params.layers / layers;
+    let unsharded = root + 2 * block.min(params.layers);
+    let bytes = fsdp
+        .param_dtype
+        .map_or(inputs.policy.dtype_bytes(), |dtype| dtype.bytes());
+    component(
+        "gathered parameters",
+        device,
+        (unsharded * bytes) as f64,
+        Phases::TRAIN,
+        format!(
+            "root (embeddings, norm, LM head) and two blocks: {} parameters x {bytes} bytes",
+            count(unsharded)
+        ),
+    )
+}
+
+/// Micro-batches after the first of an update accumulate unsharded gradients (they are
+/// reduce-scattered only in the last one's backward pass): the whole trainable gradient, in
+/// the policy's dtype. `None` when a rank gets one micro-batch per update.
+fn accumulated_gradients(inputs: &Inputs<'_>, workload: &Workload) -> Option<Component> {
+    let micro = (inputs.config.train.micro_batch_tokens as u64).max(1);
+    // `workload` is already this rank's share of the step.
+    let per_rank = (workload.rows() * workload.sequence_tokens()).div_ceil(micro);
+    if per_rank <= 1 {
+        return None;
+    }
+    let policy = &inputs.policy;
+    Some(component(
+        "accumulated gradients",
+        policy.options.device,
+        (policy.trainable * policy.trainable_bytes) as f64,
+        Phases::TRAIN,
+        format!("{per_rank} micro-batches per rank: unsharded until the last one's backward pass"),
+    ))
 }
 
 /// On the host, the freed training memory glibc's heap keeps (`HEAP_RETENTION` of what the

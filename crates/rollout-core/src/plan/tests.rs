@@ -405,3 +405,87 @@ fn every_agent_of_a_multi_agent_run_holds_its_own_policy() {
     let solver = agents.roles[1].devices[0].peak_bytes;
     assert_eq!(peak(&agents), peak(&single) + solver);
 }
+
+fn launch_plan(setup: &Setup, extra: &str) -> Plan {
+    let loaded = setup.load("", extra);
+    let mode = Mode::Launch {
+        external_roles: false,
+    };
+    plan(&loaded, mode, None).unwrap()
+}
+
+fn on_device(plan: &Plan, role: usize, device: &str, name: &str) -> u64 {
+    plan.roles[role]
+        .devices
+        .iter()
+        .filter(|d| d.device == device)
+        .flat_map(|d| &d.components)
+        .filter(|c| c.name == name)
+        .map(|c| c.bytes)
+        .sum()
+}
+
+#[test]
+fn sharded_ranks_hold_a_share_of_the_state_and_the_gathered_blocks() {
+    let setup = Setup::new();
+    let cluster = "[cluster]\nworkers = 1\ntrainers = 4\n";
+    let replicated = launch_plan(&setup, cluster);
+    let sharded = launch_plan(&setup, &format!("[train]\nsharding = \"fsdp\"\n{cluster}"));
+    for name in ["weights", "gradients", "optimizer state"] {
+        assert_eq!(
+            part(&sharded, 2, name),
+            part(&replicated, 2, name) / 4,
+            "{name}"
+        );
+    }
+    // The root (embeddings, norm, LM head) and two of the 8 blocks, in float32.
+    let block = (PARAMS - 2 * 56 * 512 - 512) / 8;
+    assert_eq!(
+        part(&sharded, 2, "gathered parameters"),
+        4 * (2 * 56 * 512 + 512 + 2 * block)
+    );
+    assert_eq!(part(&sharded, 2, "gradient all-reduce"), 0);
+    // Loading holds the whole model once more, and its file's pages.
+    assert_eq!(part(&sharded, 2, "whole weights (loading)"), 4 * PARAMS);
+    assert_eq!(part(&sharded, 2, "mapped weights file"), 4 * PARAMS);
+    // Every rank copies its share of a checkpoint; only rank 0 gathers the weights to serve.
+    assert!(part(&sharded, 5, "checkpoint copy") > 0);
+    assert_eq!(part(&sharded, 2, "weight export"), 4 * PARAMS);
+    assert_eq!(part(&sharded, 3, "weight export"), 0);
+    assert!(sharded.roles[2].devices[0].peak_bytes < replicated.roles[2].devices[0].peak_bytes);
+}
+
+#[test]
+fn offloaded_shards_move_to_the_host_and_compute_dtypes_size_the_gathers() {
+    let setup = Setup::new();
+    let extra = "[train]\nsharding = \"fsdp\"\n[train.fsdp]\noffload = true\n\
+                 param_dtype = \"bfloat16\"\n[cluster]\nworkers = 1\ntrainers = 2\n";
+    let loaded = setup.load(", device = \"cuda:0\"", extra);
+    let mode = Mode::Launch {
+        external_roles: false,
+    };
+    let plan = plan(&loaded, mode, Some(80.0)).unwrap();
+    assert_eq!(
+        on_device(&plan, 2, "cpu", "optimizer state"),
+        8 * PARAMS / 2
+    );
+    assert_eq!(on_device(&plan, 2, "cuda:0", "optimizer state"), 0);
+    assert_eq!(on_device(&plan, 2, "cpu", "weights"), 4 * PARAMS / 2);
+    let gathered = on_device(&plan, 2, "cuda:0", "gathered parameters");
+    let block = (PARAMS - 2 * 56 * 512 - 512) / 8;
+    assert_eq!(gathered, 2 * (2 * 56 * 512 + 512 + 2 * block));
+}
+
+#[test]
+fn several_micro_batches_per_rank_keep_unsharded_gradients() {
+    let setup = Setup::new();
+    let extra = "[train]\nsharding = \"fsdp\"\nmicro_batch_tokens = 64\n\
+                 [cluster]\nworkers = 1\ntrainers = 2\n";
+    let plan = launch_plan(&setup, extra);
+    assert_eq!(part(&plan, 2, "accumulated gradients"), 4 * PARAMS);
+    let one_each = launch_plan(
+        &setup,
+        "[train]\nsharding = \"fsdp\"\nmicro_batch_tokens = 100000\n[cluster]\nworkers = 1\ntrainers = 2\n",
+    );
+    assert_eq!(part(&one_each, 2, "accumulated gradients"), 0);
+}

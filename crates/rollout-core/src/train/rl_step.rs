@@ -87,6 +87,13 @@ impl<'a> Controller<'a> {
             .await?;
 
         let training = Instant::now();
+        // Colocated generation workers free the devices the trainers are about to use (PPO's
+        // value pass included) and take them back once the update is applied.
+        let generator = sampler.roles.generator;
+        generator
+            .release_memory()
+            .instrument(tracing::info_span!("generator.release_memory", step))
+            .await?;
         let (batches, packing) = self
             .micro_batches(sampler, step, &collected, pipeline)
             .await?;
@@ -105,6 +112,10 @@ impl<'a> Controller<'a> {
                     .instrument(training_span),
             )
             .await??;
+        generator
+            .restore_memory()
+            .instrument(tracing::info_span!("generator.restore_memory", step))
+            .await?;
         let train_seconds = training.elapsed().as_secs_f64();
         let sync_started = Instant::now();
         self.send_weights(sampler, step, pipeline).await?;

@@ -564,8 +564,25 @@ impl<'a> Sampler<'a> {
             return Ok(still_live);
         }
         let observation_ids = self.roles.tokenizer.encode(observations, true).await?;
-        for (&i, tokens) in still_live.iter().zip(observation_ids) {
+        let stopped = |t: &Trajectory| t.finish_reason == FinishReason::Stop;
+        let eos = if still_live.iter().any(|&i| stopped(&trajectories[i])) {
+            self.roles.tokenizer.eos_token_ids().await?
+        } else {
+            Vec::new()
+        };
+        for (&i, mut tokens) in still_live.iter().zip(observation_ids) {
             let trajectory = &mut trajectories[i];
+            // A chat template's next turn opens with the end-of-turn token; a turn that
+            // stopped on that very token already holds it, so it is not repeated (a turn cut
+            // at `max_new_tokens` gets it from the observation). See docs/chat.md.
+            let repeats_end = tokens.first().is_some_and(|first| {
+                stopped(trajectory)
+                    && eos.contains(first)
+                    && trajectory.tokens.last() == Some(first)
+            });
+            if repeats_end {
+                tokens.remove(0);
+            }
             trajectory
                 .loss_mask
                 .extend(std::iter::repeat_n(false, tokens.len()));

@@ -399,6 +399,7 @@ fn role_seeds() -> Vec<Seed> {
         (K::CheckpointRequest, restore),
         (K::Done, json!({})),
         (K::Shutdown, json!({"reason": "the run finished"})),
+        (K::GeneratorMemory, json!("restore")),
     ]
     .into_iter()
     .map(|(kind, header)| (kind, header, Bytes::new()))
@@ -736,6 +737,7 @@ pub fn decode_frame(frame: &Frame) -> usize {
         K::Shutdown => parse::<Shutdown>(frame, none),
         K::ValuesRequest => parse::<ValuesRequest>(frame, none),
         K::ValuesResponse => parse::<ValuesResponse>(frame, none),
+        K::GeneratorMemory => parse::<GeneratorMemory>(frame, none),
         // A kind added since: at least its JSON is parsed.
         #[allow(unreachable_patterns)]
         _ => usize::from(frame.decode_header::<serde_json::Value>().is_ok()),

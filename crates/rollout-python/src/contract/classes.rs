@@ -162,6 +162,16 @@ sdk_classes! {
         pub finish_reason: String,
     }
 
+    /// How trainer ranks hold the policy (`Policy.shard`; `[train] sharding`, `[train.fsdp]`).
+    #[derive(Debug)]
+    to_python struct Sharding {
+        pub mode: String,
+        pub param_dtype: String,
+        pub reduce_dtype: String,
+        pub reshard_after_forward: bool,
+        pub offload: bool,
+    }
+
     /// What callbacks' `on_run_start` receives.
     #[derive(Debug)]
     to_python struct RunInfo {

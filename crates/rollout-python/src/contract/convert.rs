@@ -2,6 +2,7 @@
 //! plugins return.
 
 use pyo3::prelude::*;
+use rollout_core::config::TrainConfig;
 use rollout_core::roles;
 use rollout_core::scheduler::{StepOutput, StepPlan};
 use rollout_net::messages::{
@@ -24,6 +25,22 @@ impl SamplingParams {
             top_k: sampling.top_k,
             stop_token_ids: Tuple(sampling.stop_token_ids.clone()),
             seed: sampling.seed,
+        }
+    }
+}
+
+impl From<&TrainConfig> for Sharding {
+    fn from(train: &TrainConfig) -> Self {
+        let fsdp = &train.fsdp;
+        Sharding {
+            mode: train.sharding.as_str().to_owned(),
+            param_dtype: fsdp
+                .param_dtype
+                .map(|d| d.as_str().to_owned())
+                .unwrap_or_default(),
+            reduce_dtype: fsdp.reduce_dtype.as_str().to_owned(),
+            reshard_after_forward: fsdp.reshard_after_forward,
+            offload: fsdp.offload,
         }
     }
 }

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use rollout_core::cluster::weights::VersionBuffer;
-use rollout_core::config::{ClusterConfig, KeyPath, LoadedConfig, PluginConfig};
+use rollout_core::config::{ClusterConfig, KeyPath, LoadedConfig, PluginConfig, TrainConfig};
 use rollout_core::roles::{Generator, Learner, RoleError, RoleFuture, SaveWritten, Tokenizer};
 use rollout_core::train::write_files;
 use rollout_net::TensorBytes;
@@ -90,18 +90,19 @@ impl PolicyHost {
         self.weight_version.load(Ordering::SeqCst)
     }
 
-    /// Has `train` all-reduce gradients over the trainers' process group (see
-    /// `rollout_sdk.distributed`) before each update.
+    /// Joins the trainers' process group (see `rollout_sdk.distributed`): `train` then
+    /// all-reduces gradients before each update, or the policy is sharded across the group.
     pub async fn join_data_parallel(
         &self,
         rank: u32,
         world_size: u32,
         cluster: ClusterConfig,
+        train: TrainConfig,
     ) -> Result<(), RoleError> {
         let policy = self.policy.clone();
         Ok(self
             .worker
-            .run(move |py| policy.join_data_parallel(py, rank, world_size, &cluster))
+            .run(move |py| policy.join_data_parallel(py, rank, world_size, &cluster, &train))
             .await??)
     }
 
@@ -124,6 +125,31 @@ impl PolicyHost {
             .instrument(tracing::info_span!("weights.export", version))
             .await??;
         Ok((version, tensors))
+    }
+
+    /// Frees the device memory generation holds (colocated with trainers), until
+    /// [`PolicyHost::restore_memory`].
+    pub async fn release_memory(&self) -> Result<(), RoleError> {
+        let policy = self.policy.clone();
+        Ok(self
+            .worker
+            .run(move |py| policy.release_memory(py))
+            .instrument(tracing::info_span!("policy.release_memory"))
+            .await??)
+    }
+
+    /// Takes back the memory [`PolicyHost::release_memory`] freed; the KV cache comes back
+    /// empty, so no cached prefix is reused.
+    pub async fn restore_memory(&self) -> Result<(), RoleError> {
+        let policy = self.policy.clone();
+        self.worker
+            .run(move |py| policy.restore_memory(py))
+            .instrument(tracing::info_span!("policy.restore_memory"))
+            .await??;
+        if let Some(engine) = &self.engine {
+            engine.forget_cached_prefixes().await;
+        }
+        Ok(())
     }
 
     /// Replaces the weights with `tensors` as `version`. Runs as one job on the interpreter

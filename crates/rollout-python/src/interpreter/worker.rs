@@ -17,7 +17,8 @@ type Job = Box<dyn for<'py> FnOnce(Python<'py>) + Send>;
 
 pub struct PythonWorker {
     jobs: Option<crossbeam_channel::Sender<Job>>,
-    thread: Option<std::thread::JoinHandle<()>>,
+    /// Told when the queue is closed and every job has run.
+    idle: crossbeam_channel::Receiver<()>,
 }
 
 impl PythonWorker {
@@ -25,7 +26,8 @@ impl PythonWorker {
     pub fn start(setup: PythonSetup) -> Result<Self, PythonError> {
         let (jobs, queue) = crossbeam_channel::unbounded::<Job>();
         let (ready_tx, ready_rx) = crossbeam_channel::bounded(1);
-        let thread = std::thread::Builder::new()
+        let (idle_tx, idle_rx) = crossbeam_channel::bounded(1);
+        std::thread::Builder::new()
             .name("python".into())
             .spawn(move || {
                 Python::attach(|py| {
@@ -38,13 +40,23 @@ impl PythonWorker {
                     while let Ok(job) = py.detach(|| queue.recv()) {
                         job(py);
                     }
+                    let _ = idle_tx.send(());
+                    // The thread never ends: torch keeps Python objects in thread-local
+                    // storage (FSDP2's hooks, for one) whose destructors would run at the
+                    // thread's exit without the GIL and abort the process. It waits, not
+                    // holding the GIL, for the process to end.
+                    py.detach(|| {
+                        loop {
+                            std::thread::park();
+                        }
+                    })
                 });
             })
             .map_err(|err| PythonError::Setup(format!("cannot start the Python thread: {err}")))?;
         ready_rx.recv().map_err(|_| PythonError::WorkerGone)??;
         Ok(PythonWorker {
             jobs: Some(jobs),
-            thread: Some(thread),
+            idle: idle_rx,
         })
     }
 
@@ -88,9 +100,7 @@ impl Drop for PythonWorker {
     fn drop(&mut self) {
         // Closing the channel ends the thread's loop once queued jobs have run.
         drop(self.jobs.take());
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
+        let _ = self.idle.recv();
     }
 }
 

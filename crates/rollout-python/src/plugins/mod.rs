@@ -5,6 +5,7 @@
 mod callbacks;
 mod data;
 mod environment;
+mod memory;
 mod multi_agent;
 mod policy;
 mod policy_training;

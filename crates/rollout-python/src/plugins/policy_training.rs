@@ -23,8 +23,12 @@ impl PolicyPlugin {
         let mut sums: BTreeMap<String, f64> = BTreeMap::new();
         let mut total_tokens = 0.0;
         let mut update = BTreeMap::new();
+        let passes = request.micro_batches.len();
         for _ in 0..request.epochs.max(1) {
-            for micro_batch in &request.micro_batches {
+            for (index, micro_batch) in request.micro_batches.iter().enumerate() {
+                if let Some(group) = self.data_parallel.get() {
+                    self.before_micro_batch(py, group, index + 1 == passes)?;
+                }
                 let metrics = self.train_step(py, micro_batch)?;
                 let tokens = micro_batch.loss_tokens() as f64;
                 total_tokens += tokens;

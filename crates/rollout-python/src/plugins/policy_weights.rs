@@ -4,34 +4,42 @@
 use std::collections::BTreeMap;
 
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
-use rollout_core::config::ClusterConfig;
+use pyo3::types::{PyDict, PyModule};
+use rollout_core::config::{ClusterConfig, Sharding as ShardingMode, TrainConfig};
 use rollout_net::{Dtype, TensorBytes};
 
 use super::PluginError;
 use super::policy::PolicyPlugin;
+use crate::contract::{Sharding, to_python};
 
 impl PolicyPlugin {
     /// Joins the trainers' torch.distributed process group (`env://` rendezvous:
-    /// `MASTER_ADDR`/`MASTER_PORT`) on `cluster.backend`; from then on every update
-    /// all-reduces the gradients, compressed as `cluster` says.
+    /// `MASTER_ADDR`/`MASTER_PORT`) on `cluster.backend`. Replicated, every update then
+    /// all-reduces the gradients, compressed as `cluster` says; sharded (`train.sharding`),
+    /// the policy shards itself and its gradients are reduce-scattered in the backward pass.
     pub fn join_data_parallel(
         &self,
         py: Python<'_>,
         rank: u32,
         world_size: u32,
         cluster: &ClusterConfig,
+        train: &TrainConfig,
     ) -> Result<(), PluginError> {
         let hook = "trainable_parameters";
         let parameters = self.plugin.call(py, hook, ())?;
-        let reducer = py
+        let distributed = py
             .import("rollout_sdk.distributed")
             .and_then(|d| {
                 d.call_method1(
                     "init_process_group",
                     (cluster.backend.as_str(), rank, world_size, parameters),
                 )?;
-                d.call_method1(
+                Ok(d)
+            })
+            .map_err(|err| self.plugin.raised(py, hook, &err))?;
+        let group = match train.sharding {
+            ShardingMode::Replicate => distributed
+                .call_method1(
                     "GradientReducer",
                     (
                         cluster.gradient_compression.as_str(),
@@ -39,10 +47,58 @@ impl PolicyPlugin {
                         cluster.powersgd_warmup_updates,
                     ),
                 )
-            })
-            .map_err(|err| self.plugin.raised(py, hook, &err))?;
-        let _ = self.data_parallel.set(reducer.unbind());
+                .map_err(|err| self.plugin.raised(py, hook, &err))?,
+            ShardingMode::Fsdp => self.shard(py, &distributed, train)?,
+        };
+        let _ = self.data_parallel.set(group.unbind());
         Ok(())
+    }
+
+    /// Has the policy shard itself (`Policy.shard`) and wraps what it sharded in the
+    /// `FullyShardedGroup` that drives its gradient reduction.
+    fn shard<'py>(
+        &self,
+        py: Python<'py>,
+        distributed: &Bound<'py, PyModule>,
+        train: &TrainConfig,
+    ) -> Result<Bound<'py, PyAny>, PluginError> {
+        let hook = "shard";
+        let sharding = to_python(py, Sharding::from(train))
+            .map_err(|err| self.plugin.raised(py, hook, &err))?;
+        let roots = match self
+            .plugin
+            .object
+            .bind(py)
+            .call_method1(hook, (sharding.clone(),))
+        {
+            Ok(roots) => roots,
+            Err(err) if err.is_instance_of::<pyo3::exceptions::PyNotImplementedError>(py) => {
+                return Err(self.plugin.bad_return(
+                    hook,
+                    "this policy cannot be sharded (its `shard` is not implemented): set \
+                     [train] sharding = \"replicate\"",
+                ));
+            }
+            Err(err) => return Err(self.plugin.raised(py, hook, &err)),
+        };
+        distributed
+            .call_method1("FullyShardedGroup", (roots, sharding))
+            .map_err(|err| self.plugin.raised(py, hook, &err))
+    }
+
+    /// Tells the data-parallel group a micro-batch comes next, and whether it is the last of
+    /// the update (a sharded group reduces gradients in the last one's backward pass only).
+    pub(super) fn before_micro_batch(
+        &self,
+        py: Python<'_>,
+        group: &Py<PyAny>,
+        last: bool,
+    ) -> Result<(), PluginError> {
+        group
+            .bind(py)
+            .call_method1("before_micro_batch", (last,))
+            .map(drop)
+            .map_err(|err| self.plugin.raised(py, "train_step", &err))
     }
 
     /// Leaves the process group once every rank is here, so no collective is cut short.
@@ -74,18 +130,27 @@ impl PolicyPlugin {
     pub fn export_weights(&self, py: Python<'_>) -> Result<Vec<TensorBytes>, PluginError> {
         let hook = "export_weights";
         let weights = self.plugin.call(py, hook, ())?;
-        let weights = weights.cast::<PyDict>().map_err(|_| {
-            self.plugin
-                .bad_return(hook, "must return a dict of numpy arrays")
+        let pairs = match weights.cast::<PyDict>() {
+            Ok(dict) => dict.items().into_any(),
+            Err(_) => weights,
+        };
+        let pairs = pairs.try_iter().map_err(|_| {
+            self.plugin.bad_return(
+                hook,
+                "must return a dict of numpy arrays or an iterable of (name, array) pairs",
+            )
         })?;
         let numpy = py
             .import("numpy")
             .map_err(|err| self.plugin.raised(py, hook, &err))?;
-        let mut tensors = Vec::with_capacity(weights.len());
-        for (name, array) in weights.iter() {
-            let name: String = name
-                .extract()
-                .map_err(|_| self.plugin.bad_return(hook, "names must be str"))?;
+        let mut tensors = Vec::new();
+        // A sharded policy gathers each tensor as it is asked for: one at a time in memory.
+        for pair in pairs {
+            let pair = pair.map_err(|err| self.plugin.raised(py, hook, &err))?;
+            let (name, array): (String, Bound<'_, PyAny>) = pair.extract().map_err(|_| {
+                self.plugin
+                    .bad_return(hook, "names must be str, each with one array")
+            })?;
             let tensor = (|| -> PyResult<Option<TensorBytes>> {
                 let array = numpy.call_method1("ascontiguousarray", (array,))?;
                 let code: String = array.getattr("dtype")?.getattr("str")?.extract()?;

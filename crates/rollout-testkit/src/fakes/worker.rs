@@ -7,8 +7,8 @@ use bytes::Bytes;
 use rollout_net::ClusterKey;
 use rollout_net::link::{Link, LinkLimits};
 use rollout_net::messages::{
-    Completion, FinishReason, GenerateRequest, GenerateResponse, Hello, MessageKind, PromptRequest,
-    SyncWeights,
+    Completion, Done, FinishReason, GenerateRequest, GenerateResponse, GeneratorMemory, Hello,
+    MessageKind, PromptRequest, SyncWeights,
 };
 use rollout_net::rpc::RpcClient;
 use tokio::net::TcpListener;
@@ -100,7 +100,8 @@ pub fn seed_answers() -> Answer {
 
 /// Accepts one authenticated connection on `listener` (as worker `name`) and serves it as
 /// `behaviour` says until it closes. A weight sync is taken at its word (nothing is pulled):
-/// later completions carry its version. Anything else is refused.
+/// later completions carry its version. Memory released (colocated) is taken at its word too,
+/// but a generation asked for before it is restored is refused. Anything else is refused.
 pub async fn serve(
     listener: TcpListener,
     key: ClusterKey,
@@ -121,7 +122,29 @@ pub async fn serve(
     let mut server = link.server();
     let mut held = Vec::new();
     let mut version = 0;
+    let mut released = false;
     while let Some(incoming) = server.requests.recv().await {
+        if incoming.frame.kind == MessageKind::GeneratorMemory {
+            let answered = match incoming.decode::<GeneratorMemory>() {
+                Ok(action) => {
+                    released = action == GeneratorMemory::Release;
+                    server
+                        .responder
+                        .reply(incoming.call, &Done {}, Bytes::new(), false)
+                }
+                Err(err) => server.responder.fail(incoming.call, err.to_string()),
+            };
+            if answered.is_err() {
+                return;
+            }
+            continue;
+        }
+        if released {
+            let _ = server
+                .responder
+                .fail(incoming.call, "asked to work with its memory released");
+            continue;
+        }
         if incoming.frame.kind == MessageKind::SyncWeights {
             let answered = match incoming.decode::<SyncWeights>() {
                 Ok(SyncWeights { weights }) => {

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
-use rollout_core::config::ClusterConfig;
+use rollout_core::config::{ClusterConfig, DeviceAssignment, ProcessDevices};
 use tokio::process::{Child, Command};
 
 use super::ClusterError;
@@ -46,9 +46,11 @@ fn free_port() -> Result<u16, ClusterError> {
 }
 
 /// Starts `cluster.workers` generation workers and `cluster.trainers` trainer ranks of this
-/// same binary, connecting to `controller` with the secret in `secret_file`.
+/// same binary, connecting to `controller` with the secret in `secret_file`, each on the
+/// devices `devices` gives it (`None`: each inherits this process's environment).
 pub fn spawn_roles(
     cluster: &ClusterConfig,
+    devices: Option<&DeviceAssignment>,
     controller: SocketAddr,
     secret_file: &std::path::Path,
     verbose: bool,
@@ -79,8 +81,17 @@ pub fn spawn_roles(
             ],
         ));
     }
+    let placed: Vec<Option<&ProcessDevices>> = match devices {
+        Some(devices) => devices
+            .workers
+            .iter()
+            .chain(&devices.trainers)
+            .map(Some)
+            .collect(),
+        None => vec![None; roles.len()],
+    };
     let mut started = Vec::with_capacity(roles.len());
-    for (name, mut args) in roles {
+    for ((name, mut args), placed) in roles.into_iter().zip(placed) {
         let mut command = std::process::Command::new(&exe);
         if verbose {
             command.arg("--verbose");
@@ -104,6 +115,10 @@ pub fn spawn_roles(
             // Their own process group: Ctrl-C reaches the controller alone, which finishes
             // the step, checkpoints and then shuts the roles down.
             .process_group(0);
+        if let Some(placed) = placed {
+            tracing::info!("{name} gets CUDA devices {}", placed.devices.join(","));
+            command.envs(placed.environment());
+        }
         let mut role = Role {
             name,
             command,

@@ -177,13 +177,14 @@ pub async fn gather(
         max_attempts: cluster.max_attempts,
         health: health.clone(),
         vocabulary: rollout_core::plan::policy_vocabulary(loaded),
+        colocated: cluster.colocated(),
     };
     let workers = RemoteWorkers::new(workers, Ledger::new(Some(&journal)), settings);
     workers.admit_late_workers(links, config_toml);
     let trainer_clocks = trainers_joined(&health, &trainers);
     Ok(Joined {
         workers,
-        trainers: RemoteTrainers::new(trainers),
+        trainers: RemoteTrainers::new(trainers, loaded.config.train.sharding),
         health,
         trainer_clocks,
     })

@@ -130,14 +130,15 @@ pub(super) async fn welcome(
 ) -> Result<Welcomed, ClusterError> {
     let link = connect_with_retry(args, &hello(role, args, info)).await?;
     tracing::info!(
-        "{role} `{}` connected to the controller at {} ({})",
+        "{role} `{}` connected to the controller at {} ({}){}",
         args.name,
         args.connect,
         if link.encrypted() {
             "TLS 1.3"
         } else {
             "not encrypted"
-        }
+        },
+        devices_seen()
     );
     let mut server = link.server();
     let incoming = server
@@ -165,6 +166,15 @@ pub(super) async fn welcome(
             Err(err.into())
         }
     }
+}
+
+/// The devices this process was given (`CUDA_VISIBLE_DEVICES`, `LOCAL_RANK`), for its log.
+fn devices_seen() -> String {
+    let Ok(devices) = std::env::var("CUDA_VISIBLE_DEVICES") else {
+        return String::new();
+    };
+    let local_rank = std::env::var("LOCAL_RANK").unwrap_or_else(|_| "unset".into());
+    format!("; CUDA_VISIBLE_DEVICES={devices}, LOCAL_RANK={local_rank}")
 }
 
 /// Connects, waits for the controller's `Welcome` and loads the policy from its config.

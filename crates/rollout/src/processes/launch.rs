@@ -27,6 +27,12 @@ pub(crate) async fn launch(
 ) -> anyhow::Result<()> {
     let cluster_config = &loaded.config.cluster;
     let (key, secret) = run_secret(cluster_config.secret_file.as_deref(), external_roles)?;
+    // Roles started elsewhere are placed by whatever starts them (deploy/).
+    let devices = if external_roles {
+        None
+    } else {
+        config::assign_devices(&loaded, &config::VisibleDevices::detect())?
+    };
     let interrupted = watch_ctrl_c();
     // One server for every attempt: the series go on across restarts of the roles.
     let metrics = telemetry::start(&loaded.config.metrics).await?;
@@ -36,6 +42,7 @@ pub(crate) async fn launch(
     loop {
         let roles = Launched {
             key: &key,
+            devices: devices.as_ref(),
             secret: secret.as_ref().map(|secret| secret.file.as_path()),
             telemetry,
         };
@@ -121,6 +128,8 @@ struct Launched<'a> {
     key: &'a rollout_net::ClusterKey,
     /// The file the roles read the secret from; `None` when the roles are started elsewhere.
     secret: Option<&'a Path>,
+    /// The devices of every role started here; `None`: they inherit this environment.
+    devices: Option<&'a config::DeviceAssignment>,
     /// Where `/metrics` shows the roles' health, when it is served.
     telemetry: Option<&'a telemetry::Telemetry>,
 }
@@ -148,7 +157,7 @@ async fn launch_once(
             return Attempt::Finished(Err(anyhow::anyhow!("the listener has no address")));
         };
         let debug = tracing::enabled!(tracing::Level::DEBUG);
-        match spawn_roles(cluster_config, address, secret, debug) {
+        match spawn_roles(cluster_config, launched.devices, address, secret, debug) {
             Ok(children) => Some(children),
             Err(err) => return Attempt::Finished(Err(err.into())),
         }

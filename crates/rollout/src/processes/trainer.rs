@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use rollout_core::cluster::weights::{VersionBuffer, WeightStore};
+use rollout_core::config::Sharding;
 use rollout_core::roles::{Learner, RoleError, SaveWritten};
 use rollout_net::messages::{
     CheckpointRequest, Done, MessageKind, PublishWeights, TrainRequest, ValuesRequest,
@@ -34,9 +35,10 @@ pub async fn run_trainer(args: RoleArgs) -> Result<(), ClusterError> {
         "weights_address": weights_address,
     });
     let (mut server, loaded, host) = join("trainer", &args, info.clone()).await?;
-    let cluster = &loaded.config.cluster;
-    if args.world_size > 1 {
-        host.join_data_parallel(args.rank, args.world_size, cluster.clone())
+    let (cluster, train) = (&loaded.config.cluster, &loaded.config.train);
+    // A sharded policy is sharded over a group even of one rank.
+    if args.world_size > 1 || train.sharding == Sharding::Fsdp {
+        host.join_data_parallel(args.rank, args.world_size, cluster.clone(), train.clone())
             .await?;
         tracing::info!(
             "trainer rank {} of {} joined the process group",
@@ -97,6 +99,13 @@ pub async fn run_trainer(args: RoleArgs) -> Result<(), ClusterError> {
                 answer(responder, call, published);
             }
             MessageKind::Shutdown => {
+                if let Some(peak) = peak_resident_bytes() {
+                    tracing::info!(
+                        "trainer rank {} of {}: peak resident memory {peak} bytes",
+                        args.rank,
+                        args.world_size
+                    );
+                }
                 answer(
                     responder,
                     call,
@@ -185,4 +194,14 @@ async fn publish(
         source: weights_address.to_owned(),
         holder: name.to_owned(),
     })
+}
+
+/// The kernel's high-water mark of this process's resident memory (`VmHWM`), in bytes.
+fn peak_resident_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kib = status
+        .lines()
+        .find_map(|line| line.strip_prefix("VmHWM:"))?;
+    let kib: u64 = kib.trim().trim_end_matches("kB").trim().parse().ok()?;
+    kib.checked_mul(1024)
 }

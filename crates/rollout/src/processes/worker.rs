@@ -14,8 +14,8 @@ use rollout_core::cluster::weights::{VersionBuffer, WeightStore};
 use rollout_core::roles::{Generator, RoleError, Tokenizer};
 use rollout_net::link::Link;
 use rollout_net::messages::{
-    Done, GenerateRequest, MessageKind, SyncWeights, TokenizerRequest, TokenizerResponse,
-    WeightsReport,
+    Done, GenerateRequest, GeneratorMemory, MessageKind, SyncWeights, TokenizerRequest,
+    TokenizerResponse, WeightsReport,
 };
 use rollout_net::rpc::RpcServer;
 use rollout_python::hosts::PolicyHost;
@@ -43,6 +43,8 @@ enum Ordered {
         WeightsReport,
         Span,
     ),
+    /// Colocated: release the device memory generation holds, or take it back.
+    Memory(u64, GeneratorMemory, Span),
 }
 
 /// Why a worker stopped serving a connection.
@@ -164,6 +166,13 @@ impl Serving<'_> {
                     let pulled = self.pull(weights.clone(), &span);
                     let _ = ordered.send(Ordered::Swap(call, pulled, weights, span));
                 }
+                MessageKind::GeneratorMemory => {
+                    let action: GeneratorMemory = incoming
+                        .decode()
+                        .map_err(|err| bad_request(&incoming, err))?;
+                    let span = tracing::info_span!("rpc.generator_memory", ?action);
+                    let _ = ordered.send(Ordered::Memory(call, action, span));
+                }
                 MessageKind::TokenizerRequest => {
                     let request: TokenizerRequest = incoming
                         .decode()
@@ -225,17 +234,29 @@ async fn execute_in_order(
     name: String,
     draining: Arc<AtomicBool>,
 ) {
+    // Whether the memory is released: a generation asked for meanwhile takes it back first.
+    let mut released = false;
     while let Some(job) = queue.recv().await {
         if draining.load(Ordering::SeqCst) {
             break;
         }
         match job {
             Ordered::Generate(call, request, span) => {
-                answer(
-                    &responder,
-                    call,
-                    host.generate(request).instrument(span).await,
-                );
+                let generated = async {
+                    if released {
+                        tracing::warn!("asked to generate with its memory released: restoring it");
+                        host.restore_memory().await?;
+                        released = false;
+                    }
+                    host.generate(request).await
+                };
+                answer(&responder, call, generated.instrument(span).await);
+            }
+            Ordered::Memory(call, action, span) => {
+                let changed = set_memory(&host, action, &mut released)
+                    .instrument(span)
+                    .await;
+                answer(&responder, call, changed.map(|()| Done {}));
             }
             Ordered::Swap(call, pulled, report, span) => {
                 let swapped = swap_in(&host, pulled, report, &name).instrument(span).await;
@@ -243,6 +264,27 @@ async fn execute_in_order(
             }
         }
     }
+}
+
+/// Releases or restores the memory generation holds on its device; asking for the state it
+/// is already in does nothing.
+async fn set_memory(
+    host: &PolicyHost,
+    action: GeneratorMemory,
+    released: &mut bool,
+) -> Result<(), RoleError> {
+    let started = std::time::Instant::now();
+    match action {
+        GeneratorMemory::Release if !*released => host.release_memory().await?,
+        GeneratorMemory::Restore if *released => host.restore_memory().await?,
+        _ => return Ok(()),
+    }
+    *released = action == GeneratorMemory::Release;
+    tracing::debug!(
+        "{action:?} of the generation memory took {:.3} s",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
 }
 
 async fn swap_in(

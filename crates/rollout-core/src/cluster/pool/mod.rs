@@ -10,6 +10,7 @@
 
 mod checks;
 mod generation;
+mod memory;
 mod sync;
 
 use std::collections::BTreeMap;
@@ -19,8 +20,8 @@ use std::time::Duration;
 
 use rollout_net::link::Link;
 use rollout_net::messages::{
-    Done, GenerateRequest, GenerateResponse, Shutdown, SyncWeights, TokenizerRequest,
-    TokenizerResponse, WeightsReport, Welcome,
+    Done, GenerateRequest, GenerateResponse, GeneratorMemory, Shutdown, SyncWeights,
+    TokenizerRequest, TokenizerResponse, WeightsReport, Welcome,
 };
 use rollout_net::rpc::RpcClient;
 use tokio::sync::{Notify, mpsc};
@@ -44,6 +45,9 @@ pub struct PoolSettings {
     pub health: WorkerHealth,
     /// The policy's vocabulary size: completions with token ids past it are refused.
     pub vocabulary: Option<u64>,
+    /// The workers share the trainers' devices (`[cluster.devices] colocate`): they are told
+    /// to release their device memory before each update and to take it back after.
+    pub colocated: bool,
 }
 
 impl Default for PoolSettings {
@@ -54,6 +58,7 @@ impl Default for PoolSettings {
             max_attempts: 3,
             health: WorkerHealth::default(),
             vocabulary: None,
+            colocated: false,
         }
     }
 }
@@ -432,6 +437,14 @@ impl Generator for RemoteWorkers {
     fn resumed_from(&self, step: u64) -> RoleFuture<'_, ()> {
         let journaled = lock(&self.shared.ledger).rolled_back(step);
         Box::pin(async move { journaled.map_err(journal_error) })
+    }
+
+    fn release_memory(&self) -> RoleFuture<'_, ()> {
+        Box::pin(self.shared.set_memory(GeneratorMemory::Release))
+    }
+
+    fn restore_memory(&self) -> RoleFuture<'_, ()> {
+        Box::pin(self.shared.set_memory(GeneratorMemory::Restore))
     }
 }
 
