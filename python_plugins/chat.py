@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from python_plugins.data import jsonl_objects
 from python_plugins.hub_cache import resolve_model_path
 from rollout_sdk import DataSource, Environment, Record, StepResult, Transform
 
@@ -240,18 +241,8 @@ class ChatPrompts(DataSource):
         )
 
     def records(self) -> Iterator[Record]:
-        from python_plugins.data import _parse_object
-
-        produced = 0
-        with self.path.open(encoding="utf-8") as lines:
-            for number, line in enumerate(lines, start=1):
-                if not line.strip():
-                    continue
-                where = f"{self.path}:{number}"
-                yield self.renderer.render(_parse_object(line, where), where)
-                produced += 1
-                if produced == self.config.limit:
-                    return
+        for record, where in jsonl_objects(self.path, self.config.limit):
+            yield self.renderer.render(record, where)
 
 
 # ---------------------------------------------------------------------------------------------

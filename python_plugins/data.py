@@ -12,7 +12,14 @@ from typing import Any
 
 from rollout_sdk import DataSource, Record, Transform
 
-__all__ = ["DropLongPrompts", "JsonlPrompts", "Template", "check_template", "render_template"]
+__all__ = [
+    "DropLongPrompts",
+    "JsonlPrompts",
+    "Template",
+    "check_template",
+    "jsonl_objects",
+    "render_template",
+]
 
 
 class JsonlPrompts(DataSource):
@@ -41,17 +48,23 @@ class JsonlPrompts(DataSource):
             raise FileNotFoundError(f"JsonlPrompts: no such file: {self.path}")
 
     def records(self) -> Iterator[Record]:
-        produced = 0
-        with self.path.open(encoding="utf-8") as lines:
-            for number, line in enumerate(lines, start=1):
-                if not line.strip():
-                    continue
-                where = f"{self.path}:{number}"
-                record = _parse_object(line, where)
-                yield {**record, "prompt": render_template(self.config.template, record, where)}
-                produced += 1
-                if produced == self.config.limit:
-                    return
+        for record, where in jsonl_objects(self.path, self.config.limit):
+            yield {**record, "prompt": render_template(self.config.template, record, where)}
+
+
+def jsonl_objects(path: Path, limit: int = 0) -> Iterator[tuple[dict[str, Any], str]]:
+    """Each non-blank line of ``path`` as a JSON object, with its ``file:line`` for errors;
+    at most ``limit`` of them (0: all)."""
+    produced = 0
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            yield _parse_object(line, where), where
+            produced += 1
+            if produced == limit:
+                return
 
 
 def _parse_object(line: str, where: str) -> dict[str, Any]:
