@@ -6,6 +6,7 @@ mod load;
 mod loaded;
 mod location;
 mod schema;
+mod train;
 mod validate;
 
 pub use agents::{AgentConfig, AgentSpec};
@@ -17,6 +18,7 @@ pub use load::{load, load_text, parse_override_value, suggest, with_suggestion};
 pub use loaded::{ConfigError, LoadedConfig};
 pub use location::{KeyPath, Location, Segment};
 pub use schema::*;
+pub use train::{FloatDtype, FsdpConfig, Sharding, TrainConfig};
 
 /// The metric name of a reward: its `name`, else its class name in snake case.
 pub fn reward_name(reward: &RewardConfig) -> String {
