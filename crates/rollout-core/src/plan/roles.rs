@@ -277,37 +277,21 @@ fn sharded_trainer_rank(
     let fsdp = &inputs.config.train.fsdp;
     let device = policy.options.device;
     let state_device = if fsdp.offload { Device::Cpu } else { device };
-    let share = |bytes: f64| bytes / ranks as f64;
-    let weights = policy.weights();
-    let mut parts = vec![component(
-        "weights",
-        state_device,
-        share(weights.bytes as f64),
-        Phases::ALL,
-        format!("1/{ranks} of {}", weights.detail),
-    )];
+    // This rank's share of a part of the state, where the state lives.
+    let shard = |part: Component, name: &'static str| Component {
+        name,
+        device: state_device,
+        bytes: part.bytes / ranks,
+        detail: format!("1/{ranks} of {}", part.detail),
+        ..part
+    };
+    let mut parts = vec![shard(policy.weights(), "weights")];
     parts.extend(loading(inputs, device));
     parts.push(gathered(inputs, fsdp, device));
-    let gradients = policy.gradients();
-    parts.push(component(
-        "gradients",
-        state_device,
-        share(gradients.bytes as f64),
-        Phases::TRAIN,
-        format!("1/{ranks} of {}", gradients.detail),
-    ));
-    if let Some(unsharded) = accumulated_gradients(inputs, workload) {
-        parts.push(unsharded);
-    }
-    for optimizer in policy.optimizer() {
-        parts.push(component(
-            "optimizer state",
-            state_device,
-            share(optimizer.bytes as f64),
-            Phases::AFTER_LOAD,
-            format!("1/{ranks} of {}", optimizer.detail),
-        ));
-    }
+    parts.push(shard(policy.gradients(), "gradients"));
+    parts.extend(accumulated_gradients(inputs, workload));
+    let optimizer = policy.optimizer().into_iter();
+    parts.extend(optimizer.map(|part| shard(part, "optimizer state")));
     let tokens = train_tokens(inputs, workload, ranks, false);
     parts.extend(policy.activations(tokens));
     parts.extend(policy.value_head(tokens).into_iter().flatten());
@@ -315,7 +299,7 @@ fn sharded_trainer_rank(
         let sharded = reference.name == "reference model";
         parts.push(Component {
             bytes: if sharded {
-                share(reference.bytes as f64) as u64
+                reference.bytes / ranks
             } else {
                 reference.bytes
             },
@@ -327,7 +311,7 @@ fn sharded_trainer_rank(
     }
     let snapshot = snapshot(inputs);
     parts.push(Component {
-        bytes: share(snapshot.bytes as f64) as u64,
+        bytes: snapshot.bytes / ranks,
         detail: format!("this rank's 1/{ranks}: {}", snapshot.detail),
         ..snapshot
     });
