@@ -29,7 +29,7 @@ from tests.e2e.harness import (
     write_config,
 )
 
-STEPS = 60
+STEPS = 40
 PROMPTS_PER_STEP = 2
 GROUP_SIZE = 4
 # (trainer ranks, max_staleness): the synchronous setting, and configs/distributed.toml's.
@@ -83,11 +83,9 @@ def fault_config(
     )
 
 
-@pytest.mark.parametrize("setting", SETTINGS)
-def test_a_killed_worker_is_restarted_and_no_group_is_lost(
-    tmp_path: Path, artifacts: Path, setting: str
-) -> None:
-    process, log = start("launch", fault_config(tmp_path, artifacts, 2, setting=setting))
+def test_a_killed_worker_is_restarted_and_no_group_is_lost(tmp_path: Path, artifacts: Path) -> None:
+    """At configs/distributed.toml's settings (2 trainer ranks, staleness 1): what users run."""
+    process, log = start("launch", fault_config(tmp_path, artifacts, 2, setting="distributed"))
     wait_for(lambda: steps_done(tmp_path) >= 2, process, log, "step 2")
     victim = pids(log, "worker-0")[0]
     os.kill(victim, signal.SIGKILL)
@@ -207,8 +205,11 @@ def test_a_killed_trainer_restarts_the_run_from_its_checkpoint_exactly(
     wait_for(lambda: steps_done(tmp_path) >= 5, process, log, "step 5")
     os.kill(pids(log, "trainer-0")[0], signal.SIGKILL)
     stderr = finish(process, log, SHORT)
-    assert "restarting every role from the last checkpoint (1 of 3)" in stderr
+    restarted = "restarting from the last checkpoint on 1 trainer ranks, the generation workers kept (1 of 3)"
+    assert restarted in stderr
     assert len(pids(log, "trainer-0")) == 2
+    # The worker kept its process (and its loaded policy) and rejoined the new controller.
+    assert len(pids(log, "worker-0")) == 1
     # No half-applied step: the run from the checkpoint is the run that was never killed.
     assert signal_of(tmp_path) == uninterrupted
     assert assert_every_group_trained_once(tmp_path, SHORT)["rollbacks"] == 1
@@ -229,3 +230,34 @@ def test_a_killed_controller_resumes_with_no_group_lost_or_repeated(
     finish(resumed, resumed_log, SHORT)
     assert signal_of(tmp_path) == uninterrupted
     assert assert_every_group_trained_once(tmp_path, SHORT)["rollbacks"] == 1
+
+
+STEPS_SHARDED = 20
+
+
+def test_a_killed_sharded_rank_is_left_out_and_its_replacement_joins_at_a_checkpoint(
+    tmp_path: Path, artifacts: Path
+) -> None:
+    """configs/distributed.toml's setting with FSDP2 ranks: the survivor reshards the last
+    checkpoint alone, the replacement joins at the next one, and the worker is never touched."""
+    trainers, staleness = SETTINGS["distributed"]
+    config = write_config(
+        tmp_path,
+        artifacts,
+        cluster(1, trainers, staleness, min_trainers=1),
+        {"run.log_samples": 1000, "rollout.max_new_tokens": 24},
+        {"train.sharding": "fsdp", "checkpoint.every": 2},
+        steps=STEPS_SHARDED,
+    )
+    process, log = start("launch", config)
+    wait_for(lambda: steps_done(tmp_path) >= 3, process, log, "step 3")
+    os.kill(pids(log, "trainer-1")[0], signal.SIGKILL)
+    stderr = finish(process, log, STEPS_SHARDED)
+    assert "trainer-1 exited with signal: 9" in stderr
+    assert "going on from the last checkpoint on 1 trainer ranks, the generation workers kept" in stderr
+    assert "the trainer ranks start again, 2 of them, from it" in stderr
+    # trainer-0: the first, the survivor's restart alone, and again with its replacement.
+    assert len(pids(log, "trainer-0")) == 3 and len(pids(log, "trainer-1")) == 2
+    assert len(pids(log, "worker-0")) == 1
+    # Nothing half applied: every step trained its groups exactly once, from checkpoints.
+    assert assert_every_group_trained_once(tmp_path, STEPS_SHARDED)["rollbacks"] >= 1

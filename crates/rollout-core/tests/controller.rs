@@ -304,7 +304,10 @@ async fn a_resumed_run_continues_exactly_as_an_uninterrupted_one() {
 async fn samples_lag_at_most_max_staleness_versions_and_generation_waits_for_them() {
     for max_staleness in [0, 1, 2] {
         let output = tempfile::tempdir().unwrap();
-        let mut fakes = Fakes::new(FakeLearner::default().with_weight_sync());
+        let learner = FakeLearner::default()
+            .with_weight_sync()
+            .taking(std::time::Duration::from_millis(5));
+        let mut fakes = Fakes::new(learner);
         fakes.policy = FakePolicy::holding_weights();
         let extra = format!("[cluster]\nmax_staleness = {max_staleness}");
         fakes

@@ -87,6 +87,7 @@ fn start_client(
         pending: Mutex::new(HashMap::new()),
         lost: Mutex::new(None),
         ended: Notify::new(),
+        closing: Notify::new(),
         peer: peer.clone(),
         heard: HeardClock::starting_now(),
     });
@@ -205,6 +206,8 @@ struct ClientShared {
     lost: Mutex<Option<NetError>>,
     /// Woken when the connection ends.
     ended: Notify,
+    /// Tells the writer to close the connection ([`RpcClient::close`]).
+    closing: Notify,
     peer: String,
     heard: HeardClock,
 }
@@ -272,6 +275,7 @@ async fn client_writer(
                     Err(err) => Err(err),
                 }
             }
+            () = shared.closing.notified() => break,
         };
         if let Err(err) = result {
             shared.lose(shared.lost_because(format!("cannot send: {err}")));
@@ -346,6 +350,14 @@ impl RpcClient {
             }
             ended.await;
         }
+    }
+
+    /// Closes the connection, however many clones of this client remain: pending and later
+    /// calls fail with `reason`, and the peer reads the end of the stream.
+    pub fn close(&self, reason: &str) {
+        self.shared
+            .lose(self.shared.lost_because(reason.to_owned()));
+        self.shared.closing.notify_one();
     }
 
     /// Who answers.

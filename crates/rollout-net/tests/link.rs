@@ -401,3 +401,33 @@ async fn tls_links_carry_requests_and_refuse_plain_peers() {
     assert!(matches!(wrong, Err(NetError::Auth { .. })), "{wrong:?}");
     assert!(next(&mut accepted).await.is_err());
 }
+
+#[tokio::test]
+async fn closing_a_client_ends_the_connection_for_every_clone_and_the_peer() {
+    let secret = "the cluster secret, 32 bytes long";
+    let (addr, mut accepted) = listener(secret, 4).await;
+    let link = Link::connect(&addr, &key(secret), &hello("controller", 4), &limits())
+        .await
+        .unwrap();
+    let client = link.client();
+    let kept = client.clone();
+    let mut server = next(&mut accepted).await.unwrap();
+    client.close("the controller stopped");
+    // The peer reads the end of the stream although a clone of the client lives on.
+    let ended = tokio::time::timeout(LIMIT, server.requests.recv())
+        .await
+        .expect("the peer sees the connection end");
+    assert!(ended.is_none());
+    let lost = tokio::time::timeout(LIMIT, kept.lost()).await.unwrap();
+    assert!(
+        lost.to_string().contains("the controller stopped"),
+        "{lost}"
+    );
+    let shutdown = Shutdown {
+        reason: "too late".into(),
+    };
+    let refused = kept
+        .request::<Shutdown, Done>(&shutdown, Bytes::new())
+        .await;
+    assert!(refused.is_err());
+}

@@ -184,6 +184,28 @@ fn powersgd_without_its_warm_up_is_located() {
 }
 
 #[test]
+fn min_trainers_outside_one_to_trainers_is_located() {
+    let tmp = tempfile::tempdir().unwrap();
+    for fewest in [0, 3] {
+        let cluster = format!("[cluster]\ntrainers = 2\nmin_trainers = {fewest}\n");
+        let config = toy_config(tmp.path(), DIGIT_REWARD, &cluster);
+        let out = rollout(&["check", config.to_str().unwrap()], tmp.path());
+        assert_eq!(out.status.code(), Some(2), "{fewest}");
+        let err = stderr(&out);
+        let line = std::fs::read_to_string(&config)
+            .unwrap()
+            .lines()
+            .position(|line| line.starts_with("min_trainers"))
+            .unwrap()
+            + 1;
+        let expected = format!(
+            "toy.toml:{line}:1: `cluster.min_trainers`: must be between 1 and cluster.trainers"
+        );
+        assert!(err.contains(&expected), "{err}");
+    }
+}
+
+#[test]
 fn a_bad_metrics_address_is_located() {
     let tmp = tempfile::tempdir().unwrap();
     for listen in ["localhost:9400", "127.0.0.1", "127.0.0.1:99999"] {

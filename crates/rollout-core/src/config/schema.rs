@@ -471,9 +471,13 @@ pub struct ClusterConfig {
     /// `rollout launch` starts a generation worker that died again, up to this many times
     /// per worker.
     pub max_worker_restarts: u32,
-    /// `rollout launch` restarts every role from the last checkpoint when a trainer rank
-    /// is lost, up to this many times per run.
+    /// `rollout launch` starts the trainer ranks again from the last checkpoint when one is
+    /// lost (the generation workers keep running), up to this many times per run.
     pub max_run_restarts: u32,
+    /// Fewest trainer ranks `rollout launch` goes on with: a lost rank is left out while
+    /// more than this many remain (the others reshard the last checkpoint), and its
+    /// replacement joins at the next checkpoint. Unset: the lost rank is started again.
+    pub min_trainers: Option<u32>,
     /// Bytes per weight-sync bucket.
     pub weight_bucket_bytes: u64,
     /// torch.distributed backend of the trainers: "gloo", "nccl", or "auto" (NCCL when CUDA
@@ -513,6 +517,7 @@ impl Default for ClusterConfig {
             max_attempts: 3,
             max_worker_restarts: 100,
             max_run_restarts: 3,
+            min_trainers: None,
             weight_bucket_bytes: 8 << 20,
             backend: "auto".into(),
             gradient_compression: GradientCompression::None,

@@ -98,6 +98,13 @@ pub fn validate(loaded: &LoadedConfig) -> Result<(), ConfigError> {
         "must be at least 1",
     )?;
     check(
+        cluster
+            .min_trainers
+            .is_none_or(|fewest| (1..=cluster.trainers).contains(&fewest)),
+        "cluster.min_trainers",
+        "must be between 1 and cluster.trainers",
+    )?;
+    check(
         cluster.heartbeat_seconds.is_finite() && cluster.heartbeat_seconds > 0.0,
         "cluster.heartbeat_seconds",
         "must be > 0",

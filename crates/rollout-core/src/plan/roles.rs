@@ -327,26 +327,29 @@ fn sharded_trainer_rank(
     parts
 }
 
-/// Each rank loads the whole model before sharding it: the loaded weights on the policy's
-/// device, and the pages of the safetensors file mapped in host memory while they are read.
-fn loading(inputs: &Inputs<'_>, device: Device) -> [Component; 2] {
+/// Each rank loads the whole model before sharding it. On the CPU the loaded tensors are
+/// the pages of the safetensors file, mapped while `fully_shard` copies this rank's rows out
+/// of them; on a GPU the whole model sits on the device while the file's pages are mapped
+/// in host memory.
+fn loading(inputs: &Inputs<'_>, device: Device) -> Vec<Component> {
     let whole = inputs.policy.weights().bytes as f64;
-    [
-        component(
-            "whole weights (loading)",
-            device,
-            whole,
-            Phases::LOAD,
-            "the model as loaded, before it is sharded and freed".into(),
-        ),
-        component(
+    let mut parts = vec![component(
+        "whole weights (loading)",
+        device,
+        whole,
+        Phases::LOAD,
+        "the model as loaded, before it is sharded and freed".into(),
+    )];
+    if device != Device::Cpu {
+        parts.push(component(
             "mapped weights file",
             Device::Cpu,
             whole,
             Phases::LOAD,
             "safetensors pages mapped while the weights are read".into(),
-        ),
-    ]
+        ));
+    }
+    parts
 }
 
 /// Parameters FSDP2 holds unsharded while they compute: the root's (embeddings, final norm,

@@ -28,6 +28,8 @@ pub struct FakeLearner {
     value: f32,
     /// The update that reaches this version answers with the other instead.
     forged: Option<(u64, u64)>,
+    /// How long each update takes.
+    update_time: std::time::Duration,
     events: Mutex<Vec<String>>,
     requests: Mutex<Vec<TrainRequest>>,
 }
@@ -42,6 +44,7 @@ impl Default for FakeLearner {
             needs_weight_sync: false,
             value: 0.0,
             forged: None,
+            update_time: std::time::Duration::ZERO,
             events: Mutex::default(),
             requests: Mutex::default(),
         }
@@ -78,6 +81,15 @@ impl FakeLearner {
     pub fn with_weight_sync(self) -> Self {
         FakeLearner {
             needs_weight_sync: true,
+            ..self
+        }
+    }
+
+    /// Each update takes `update_time`: generation runs ahead of training, as it does
+    /// against a real trainer, whatever the scheduling of the test's threads.
+    pub fn taking(self, update_time: std::time::Duration) -> Self {
+        FakeLearner {
+            update_time,
             ..self
         }
     }
@@ -136,7 +148,9 @@ impl Learner for FakeLearner {
             Some((at, claimed)) if at == version => claimed,
             _ => version,
         };
+        let update_time = self.update_time;
         Box::pin(async move {
+            tokio::time::sleep(update_time).await;
             Ok(TrainResponse {
                 metrics: [
                     ("loss".to_string(), 1.0),

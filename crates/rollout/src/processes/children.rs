@@ -18,14 +18,19 @@ struct Role {
     command: std::process::Command,
     child: Option<Child>,
     restarts: u32,
+    /// A trainer rank: its index in `[cluster.devices] trainers` (its slot), which it keeps
+    /// whatever rank it is given after others are lost.
+    trainer_slot: Option<usize>,
 }
 
 /// The role processes `rollout launch` started; killed (by pid) if dropped while running.
 /// Generation workers that die are started again (up to `cluster.max_worker_restarts`
-/// times each): they rejoin the running pool.
+/// times each): they rejoin the running pool. The trainer ranks are started again, as a
+/// group of any size, when one is lost; the workers keep running.
 pub struct Children {
     roles: Vec<Role>,
     max_restarts: u32,
+    commands: RoleCommands,
 }
 
 /// What `rollout launch` does about a role process that exited.
@@ -35,7 +40,9 @@ pub enum Exited {
     /// A generation worker left on its own (drained) or ran out of restarts; the run goes
     /// on with the others.
     Left,
-    /// A trainer rank exited: the run cannot go on.
+    /// The trainer rank in this slot exited: the ranks cannot go on as they are.
+    TrainerLost { slot: usize, reason: String },
+    /// A role process could not be started again: the run cannot go on.
     Fatal(String),
 }
 
@@ -45,73 +52,43 @@ fn free_port() -> Result<u16, ClusterError> {
     Ok(socket.local_addr().map_err(ClusterError::Io)?.port())
 }
 
-/// Starts `cluster.workers` generation workers and `cluster.trainers` trainer ranks of this
-/// same binary, connecting to `controller` with the secret in `secret_file`, each on the
-/// devices `devices` gives it (`None`: each inherits this process's environment).
-pub fn spawn_roles(
-    cluster: &ClusterConfig,
-    devices: Option<&DeviceAssignment>,
+/// How `rollout launch` starts role processes of this same binary.
+struct RoleCommands {
+    exe: std::path::PathBuf,
     controller: SocketAddr,
-    secret_file: &std::path::Path,
+    secret_file: std::path::PathBuf,
     verbose: bool,
-) -> Result<Children, ClusterError> {
-    let exe = std::env::current_exe().map_err(ClusterError::Io)?;
-    let master_port = std::env::var("MASTER_PORT")
-        .ok()
-        .and_then(|p| p.parse().ok())
-        .map_or_else(free_port, Ok)?;
-    let mut roles: Vec<(String, Vec<String>)> = (0..cluster.workers)
-        .map(|index| {
-            let name = format!("worker-{index}");
-            (name.clone(), vec!["worker".into(), "--name".into(), name])
-        })
-        .collect();
-    for rank in 0..cluster.trainers {
-        let name = format!("trainer-{rank}");
-        roles.push((
-            name.clone(),
-            vec![
-                "trainer".into(),
-                "--name".into(),
-                name,
-                "--rank".into(),
-                rank.to_string(),
-                "--world-size".into(),
-                cluster.trainers.to_string(),
-            ],
-        ));
-    }
-    let placed: Vec<Option<&ProcessDevices>> = match devices {
-        Some(devices) => devices
-            .workers
-            .iter()
-            .chain(&devices.trainers)
-            .map(Some)
-            .collect(),
-        None => vec![None; roles.len()],
-    };
-    let mut started = Vec::with_capacity(roles.len());
-    for ((name, mut args), placed) in roles.into_iter().zip(placed) {
-        let mut command = std::process::Command::new(&exe);
-        if verbose {
+    tls: Option<bool>,
+    /// Each process's devices; `None`: each inherits this process's environment.
+    devices: Option<DeviceAssignment>,
+}
+
+impl RoleCommands {
+    /// The command of the role `name`, with `args`, on the devices `placed` gives it.
+    fn command(
+        &self,
+        name: &str,
+        args: &[String],
+        placed: Option<&ProcessDevices>,
+    ) -> std::process::Command {
+        let mut command = std::process::Command::new(&self.exe);
+        if self.verbose {
             command.arg("--verbose");
         }
-        match cluster.tls {
-            Some(true) => args.push("--tls".into()),
-            Some(false) => args.push("--no-tls".into()),
-            None => {}
-        }
+        command.args(args);
+        match self.tls {
+            Some(true) => command.arg("--tls"),
+            Some(false) => command.arg("--no-tls"),
+            None => &mut command,
+        };
         command
-            .args(&args)
             .arg("--connect")
-            .arg(controller.to_string())
+            .arg(self.controller.to_string())
             // A worker whose connection breaks connects again; if the launcher itself is
             // gone, it gives up soon.
             .args(["--connect-retry", "10"])
             .arg("--secret-file")
-            .arg(secret_file)
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", master_port.to_string())
+            .arg(&self.secret_file)
             // Their own process group: Ctrl-C reaches the controller alone, which finishes
             // the step, checkpoints and then shuts the roles down.
             .process_group(0);
@@ -119,19 +96,110 @@ pub fn spawn_roles(
             tracing::info!("{name} gets CUDA devices {}", placed.devices.join(","));
             command.envs(placed.environment());
         }
+        command
+    }
+}
+
+impl Children {
+    /// Starts `cluster.workers` generation workers and one trainer rank per slot of
+    /// `trainer_slots`, connecting to `controller` with the secret in `secret_file`, each on
+    /// the devices `devices` gives it (`None`: each inherits this process's environment).
+    pub fn start(
+        cluster: &ClusterConfig,
+        devices: Option<&DeviceAssignment>,
+        controller: SocketAddr,
+        secret_file: &std::path::Path,
+        verbose: bool,
+    ) -> Result<Children, ClusterError> {
+        let commands = RoleCommands {
+            exe: std::env::current_exe().map_err(ClusterError::Io)?,
+            controller,
+            secret_file: secret_file.to_owned(),
+            verbose,
+            tls: cluster.tls,
+            devices: devices.cloned(),
+        };
+        let mut children = Children {
+            roles: Vec::new(),
+            max_restarts: cluster.max_worker_restarts,
+            commands,
+        };
+        for index in 0..cluster.workers as usize {
+            let name = format!("worker-{index}");
+            let args = ["worker".into(), "--name".into(), name.clone()];
+            let placed = children
+                .commands
+                .devices
+                .as_ref()
+                .map(|d| &d.workers[index]);
+            let command = children.commands.command(&name, &args, placed);
+            children.spawn(name, command, None)?;
+        }
+        let slots: Vec<usize> = (0..cluster.trainers as usize).collect();
+        children.start_trainers(&slots)?;
+        Ok(children)
+    }
+
+    /// Kills (by pid) the trainer ranks still running and starts one rank per slot of
+    /// `slots`, as a new process group on a fresh rendezvous port. The workers keep running.
+    pub async fn restart_trainers(&mut self, slots: &[usize]) -> Result<(), ClusterError> {
+        for role in self
+            .roles
+            .iter_mut()
+            .filter(|role| role.trainer_slot.is_some())
+        {
+            if let Some(child) = role.child.as_mut() {
+                let _ = child.start_kill();
+                let _ = child.wait().await;
+            }
+        }
+        self.roles.retain(|role| role.trainer_slot.is_none());
+        self.start_trainers(slots)
+    }
+
+    fn start_trainers(&mut self, slots: &[usize]) -> Result<(), ClusterError> {
+        let master_port = std::env::var("MASTER_PORT")
+            .ok()
+            .and_then(|p| p.parse().ok())
+            .map_or_else(free_port, Ok)?;
+        for (rank, &slot) in slots.iter().enumerate() {
+            let name = format!("trainer-{rank}");
+            let args = [
+                "trainer".into(),
+                "--name".into(),
+                name.clone(),
+                "--rank".into(),
+                rank.to_string(),
+                "--world-size".into(),
+                slots.len().to_string(),
+            ];
+            let placed = self.commands.devices.as_ref().map(|d| &d.trainers[slot]);
+            let mut command = self.commands.command(&name, &args, placed);
+            command
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", master_port.to_string());
+            self.spawn(name, command, Some(slot))?;
+        }
+        Ok(())
+    }
+
+    fn spawn(
+        &mut self,
+        name: String,
+        command: std::process::Command,
+        trainer_slot: Option<usize>,
+    ) -> Result<(), ClusterError> {
         let mut role = Role {
             name,
             command,
             child: None,
             restarts: 0,
+            trainer_slot,
         };
         role.start()?;
-        started.push(role);
+        self.roles.push(role);
+        Ok(())
     }
-    Ok(Children {
-        roles: started,
-        max_restarts: cluster.max_worker_restarts,
-    })
 }
 
 impl Role {
@@ -152,10 +220,6 @@ impl Role {
         tracing::info!("started {} (pid {})", self.name, child.id().unwrap_or(0));
         self.child = Some(child);
         Ok(())
-    }
-
-    fn is_worker(&self) -> bool {
-        self.name.starts_with("worker-")
     }
 }
 
@@ -192,23 +256,22 @@ impl Children {
         let max_restarts = self.max_restarts;
         let role = &mut self.roles[index];
         role.child = None;
-        let status = match status {
-            Ok(status) => status,
-            Err(err) => return Some(Exited::Fatal(format!("{}: {err}", role.name))),
+        let (success, status) = match status {
+            Ok(status) => (status.success(), status.to_string()),
+            Err(err) => (false, err.to_string()),
         };
-        if !role.is_worker() {
-            return Some(Exited::Fatal(format!(
-                "{} exited with {status}; the run cannot go on",
-                role.name
-            )));
+        if let Some(slot) = role.trainer_slot {
+            let reason = format!("{} exited with {status}", role.name);
+            return Some(Exited::TrainerLost { slot, reason });
         }
-        if status.success() {
+        if success {
             tracing::info!("{} left the run", role.name);
             return Some(Exited::Left);
         }
         if role.restarts >= max_restarts {
             tracing::warn!(
-                "{} exited with {status} and was restarted {} times already                  (cluster.max_worker_restarts); the run goes on without it",
+                "{} exited with {status} and was restarted {} times already \
+                 (cluster.max_worker_restarts); the run goes on without it",
                 role.name,
                 role.restarts
             );

@@ -12,8 +12,9 @@ use rollout_core::cluster::ledger::Ledger;
 use rollout_core::cluster::pool::{PoolSettings, RemoteWorkers};
 use rollout_core::cluster::remote::RemoteTrainers;
 use rollout_core::config::{ClusterConfig, LoadedConfig};
+use rollout_core::roles::RoleError;
 use rollout_core::telemetry::{Observed, RoleKind, Telemetry, WorkerHealth};
-use rollout_core::train::{Controller, PolicyRoles, Roles, Start, Summary, Trainees};
+use rollout_core::train::{Controller, PolicyRoles, Roles, RunError, Start, Summary, Trainees};
 use rollout_net::ClusterKey;
 use rollout_net::gate::Gate;
 use rollout_net::heard::HeardClock;
@@ -46,15 +47,15 @@ fn controller_hello() -> Hello {
     }
 }
 
-/// Accepts connections for as long as the process lives, through a [`Gate`] that bounds
+/// Accepts connections until the [`Accepting`] is dropped, through a [`Gate`] that bounds
 /// unauthenticated ones. Authenticated links are handed to `joined` while it is open.
 fn accept_roles(
     listener: TcpListener,
     key: ClusterKey,
     limits: LinkLimits,
-) -> mpsc::Receiver<Link> {
+) -> (mpsc::Receiver<Link>, Accepting) {
     let (joined, links) = mpsc::channel(64);
-    Gate::new(key, controller_hello(), limits, "").serve(listener, move |link| {
+    let serving = Gate::new(key, controller_hello(), limits, "").serve(listener, move |link| {
         let joined = joined.clone();
         async move {
             let who = link.describe();
@@ -63,7 +64,17 @@ fn accept_roles(
             }
         }
     });
-    links
+    (links, Accepting(serving))
+}
+
+/// The controller's accept loop; dropped with the controller, it closes the listener, so
+/// that `rollout launch` can listen on the same address for its next attempt.
+struct Accepting(tokio::task::JoinHandle<()>);
+
+impl Drop for Accepting {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// The role processes of a run, connected and loaded.
@@ -74,6 +85,8 @@ pub struct Joined {
     health: WorkerHealth,
     /// Each trainer rank's name and connection clock.
     trainer_clocks: Vec<(String, HeardClock)>,
+    /// Late generation workers join through it while the run lasts.
+    _accepting: Accepting,
 }
 
 impl Drop for Joined {
@@ -83,7 +96,9 @@ impl Drop for Joined {
         for (name, heard) in &self.trainer_clocks {
             self.health.left(RoleKind::Trainer, name, heard);
         }
-        self.workers.report_left();
+        // Workers still connected (the run was abandoned) connect again, to the next
+        // attempt's controller; after a shutdown this closes nothing.
+        self.workers.disconnect("the controller stopped");
     }
 }
 
@@ -104,7 +119,7 @@ pub async fn gather(
         rollout_net::Encryption::Never => tracing::warn!("{}", limits.encryption.describe()),
         _ => tracing::info!("{}", limits.encryption.describe()),
     }
-    let mut links = accept_roles(listener, key, limits);
+    let (mut links, accepting) = accept_roles(listener, key, limits);
     let mut workers: Vec<Link> = Vec::new();
     let mut ranks: Vec<Option<Link>> = (0..cluster.trainers).map(|_| None).collect();
     let deadline = tokio::time::Instant::now() + limit;
@@ -187,6 +202,7 @@ pub async fn gather(
         trainers: RemoteTrainers::new(trainers, loaded.config.train.sharding),
         health,
         trainer_clocks,
+        _accepting: accepting,
     })
 }
 
@@ -243,8 +259,34 @@ pub async fn run(
         Ok(_) => "the run finished".to_string(),
         Err(err) => format!("the run stopped: {err}"),
     };
-    shutdown(&joined, &reason).await;
+    match &result {
+        // `rollout launch` goes on from the last checkpoint: the workers, disconnected when
+        // `joined` drops, join its next controller.
+        Err(err) if lost_a_role(err) => shutdown_trainers(&joined, &reason).await,
+        _ => shutdown(&joined, &reason).await,
+    }
     Ok(result?)
+}
+
+/// Whether `err` is a role lost or silent (the run can go on from its last checkpoint),
+/// rather than a failure that would happen again (plugin error, bad config).
+pub fn is_role_loss(err: &ClusterError) -> bool {
+    match err {
+        ClusterError::Role(err) => is_lost(err),
+        ClusterError::Run(err) => lost_a_role(err),
+        _ => false,
+    }
+}
+
+fn lost_a_role(err: &RunError) -> bool {
+    matches!(err, RunError::Role(err) if is_lost(err))
+}
+
+fn is_lost(err: &RoleError) -> bool {
+    matches!(
+        err,
+        RoleError::WorkerLost { .. } | RoleError::TimedOut { .. }
+    )
 }
 
 async fn shutdown(joined: &Joined, reason: &str) {
@@ -256,6 +298,11 @@ async fn shutdown(joined: &Joined, reason: &str) {
         )
     })
     .await;
+}
+
+async fn shutdown_trainers(joined: &Joined, reason: &str) {
+    let limit = Duration::from_secs(30);
+    let _ = tokio::time::timeout(limit, joined.trainers.shutdown(reason)).await;
 }
 
 /// Where `rollout launch` shows the roles the controller listens on.

@@ -107,7 +107,6 @@ async fn connect_with_retry(args: &RoleArgs, hello: &Hello) -> Result<Link, Clus
 pub(super) struct Welcomed {
     pub server: RpcServer,
     pub call: u64,
-    pub config_toml: String,
     pub loaded: LoadedConfig,
 }
 
@@ -154,11 +153,10 @@ pub(super) async fn welcome(
         .decode()
         .map_err(|err| bad_request(&incoming, err))?;
     let path = Path::new("<config from the controller>");
-    match load_text(path, welcome.config_toml.clone(), &[]) {
+    match load_text(path, welcome.config_toml, &[]) {
         Ok(loaded) => Ok(Welcomed {
             server,
             call: incoming.call,
-            config_toml: welcome.config_toml,
             loaded,
         }),
         Err(err) => {

@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use rollout_core::cluster::weights::{VersionBuffer, WeightStore};
+use rollout_core::config::LoadedConfig;
 use rollout_core::roles::{Generator, RoleError, Tokenizer};
 use rollout_net::link::Link;
 use rollout_net::messages::{
@@ -57,8 +58,17 @@ enum Ended {
 
 /// The policy loaded for a run's config.
 struct Loaded {
-    config_toml: String,
+    /// The config, as [`served_config`] gives it.
+    served: String,
     host: Arc<PolicyHost>,
+}
+
+/// What a worker's loaded policy depends on: the run's config but for the number of trainer
+/// ranks, which `rollout launch` changes when ranks are lost or rejoin.
+fn served_config(loaded: &LoadedConfig) -> String {
+    let mut config = loaded.config.clone();
+    config.cluster.trainers = 0;
+    toml::to_string(&config).unwrap_or_default()
 }
 
 pub async fn run_worker(args: RoleArgs) -> Result<(), ClusterError> {
@@ -82,13 +92,14 @@ pub async fn run_worker(args: RoleArgs) -> Result<(), ClusterError> {
             Err(ClusterError::RunOver) if loaded.is_some() => return Ok(()),
             Err(err) => return Err(err),
         };
+        let served = served_config(&welcomed.loaded);
         let host = match &loaded {
-            Some(same) if same.config_toml == welcomed.config_toml => same.host.clone(),
+            Some(same) if same.served == served => same.host.clone(),
             _ => match load_policy(&welcomed.loaded).await {
                 Ok(host) => {
                     let host = Arc::new(host);
                     loaded = Some(Loaded {
-                        config_toml: welcomed.config_toml.clone(),
+                        served,
                         host: host.clone(),
                     });
                     host

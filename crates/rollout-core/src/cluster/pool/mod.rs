@@ -185,6 +185,16 @@ impl RemoteWorkers {
         });
     }
 
+    /// Closes every worker's connection without shutting the worker down: it connects
+    /// again, to the next controller. For a controller abandoned mid-run.
+    pub fn disconnect(&self, reason: &str) {
+        self.shared.closed.store(true, Ordering::SeqCst);
+        for member in lock(&self.shared.members).iter() {
+            member.client.close(reason);
+        }
+        self.report_left();
+    }
+
     pub async fn shutdown(&self, reason: &str) {
         self.shared.closed.store(true, Ordering::SeqCst);
         let members = lock(&self.shared.members).clone();

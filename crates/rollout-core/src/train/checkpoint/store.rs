@@ -195,6 +195,13 @@ impl CheckpointStore {
         Ok(final_dir)
     }
 
+    /// The step of the last committed checkpoint, as the `latest` pointer names it; reads
+    /// only, so it may run while a checkpoint is being written.
+    pub fn latest_step(&self) -> Option<u64> {
+        let name = fs::read_to_string(self.root.join(LATEST)).ok()?;
+        name.trim().strip_prefix("step-")?.parse().ok()
+    }
+
     /// The newest checkpoint that verifies: the one `latest` names, else the highest step.
     /// Invalid ones are reported and skipped. Resume calls this, so it also clears partial
     /// checkpoints left by an earlier run (a failure to do so is reported, not fatal: `begin`
@@ -377,6 +384,21 @@ mod tests {
         assert_eq!(
             fs::read(latest.policy_dir().join("weights.bin")).unwrap(),
             b"two"
+        );
+        assert_eq!(store.latest_step(), Some(2));
+    }
+
+    #[test]
+    fn latest_step_reads_only_committed_checkpoints() {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = CheckpointStore::new(tmp.path().join("checkpoints"), 3);
+        assert_eq!(store.latest_step(), None);
+        write_checkpoint(&store, 4, b"four");
+        let pending = store.begin(5).unwrap();
+        assert_eq!(store.latest_step(), Some(4));
+        assert!(
+            pending.policy_dir().exists(),
+            "reading must not clear a partial"
         );
     }
 
