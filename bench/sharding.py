@@ -47,6 +47,19 @@ ACCEPTED_ERROR = 0.15
 MAX_STATE_RATIO = 0.6
 
 
+def policy_and_data(model: Path, data: Path) -> str:
+    """The [policy] and [data] tables of the sharding benchmarks: `model` on one torch
+    thread, prompts from the JSONL file `data`."""
+    return f"""[policy]
+plugin = "python_plugins.hf_policy:HFCausalLM"
+options = {{ model_path = "{model}", torch_threads = 1 }}
+
+[data]
+plugin = "python_plugins.data:JsonlPrompts"
+options = {{ path = "{data}", template = "{{question}}" }}
+"""
+
+
 def config(root: Path, model: Path, data: Path, ranks: int, mode: str) -> Path:
     settings = MODES[mode]
     text = f"""
@@ -55,14 +68,7 @@ name = "sharding-{mode}-{ranks}"
 output_dir = "{root / f"run-{mode}-{ranks}"}"
 steps = 2
 
-[policy]
-plugin = "python_plugins.hf_policy:HFCausalLM"
-options = {{ model_path = "{model}", torch_threads = 1 }}
-
-[data]
-plugin = "python_plugins.data:JsonlPrompts"
-options = {{ path = "{data}", template = "{{question}}" }}
-
+{policy_and_data(model, data)}
 [algorithm]
 name = "sft"
 completion_key = "answer"

@@ -27,7 +27,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.sharding import MODEL, ROLLOUT, parameter_count  # noqa: E402
+from bench.sharding import MODEL, ROLLOUT, parameter_count, policy_and_data  # noqa: E402
 from python_plugins.quickstart import create_tiny_model, write_addition_splits  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "sharding_sync.json"
@@ -42,14 +42,7 @@ name = "sync-{mode}"
 output_dir = "{output}"
 steps = {steps}
 
-[policy]
-plugin = "python_plugins.hf_policy:HFCausalLM"
-options = {{ model_path = "{model}", torch_threads = 1 }}
-
-[data]
-plugin = "python_plugins.data:JsonlPrompts"
-options = {{ path = "{data}", template = "{{question}}" }}
-
+{policy_and_data(model, data)}
 [[rewards]]
 plugin = "python_plugins.rewards:ExactMatch"
 
