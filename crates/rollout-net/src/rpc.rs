@@ -13,7 +13,7 @@ use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncWriteExt, ReadHalf, WriteHalf};
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc};
-use tokio_util::codec::{Framed, FramedRead};
+use tokio_util::codec::{Decoder, Framed, FramedRead};
 
 use crate::frame::{Frame, FrameCodec, FrameError};
 use crate::heard::HeardClock;
@@ -143,7 +143,11 @@ fn start_server(
     }
 }
 
-type Stream = FramedRead<ReadHalf<LinkStream>, FrameCodec>;
+/// The frames a link reads: those the greeting already read ahead of, then the socket's.
+type Stream = futures_util::stream::Chain<
+    futures_util::stream::Iter<std::vec::IntoIter<Result<Frame, FrameError>>>,
+    FramedRead<ReadHalf<LinkStream>, FrameCodec>,
+>;
 
 /// Writes frames with their payloads sent straight from their buffers (a weight bucket is
 /// not copied into a write buffer first).
@@ -173,20 +177,35 @@ impl Sink {
     }
 }
 
-/// Splits a link's framed stream into its reading and writing halves, keeping bytes the
-/// greeting read ahead.
+/// Splits a link's framed stream into its reading and writing halves, keeping what the
+/// greeting read ahead. Whole frames among those bytes are decoded here: a `FramedRead`
+/// handed them in its buffer would first wait for the socket to bring more (for a peer that
+/// sent its request with its greeting and now waits for the answer, until its next heartbeat).
 fn split(framed: Framed<LinkStream, FrameCodec>) -> (Sink, Stream) {
     let parts = framed.into_parts();
-    let codec = parts.codec.clone();
+    let mut codec = parts.codec.clone();
+    let mut read_ahead = parts.read_buf;
+    let mut frames = Vec::new();
+    loop {
+        match codec.decode(&mut read_ahead) {
+            Ok(Some(frame)) => frames.push(Ok(frame)),
+            Ok(None) => break,
+            Err(err) => {
+                frames.push(Err(err));
+                read_ahead.clear();
+                break;
+            }
+        }
+    }
     let (read, write) = tokio::io::split(parts.io);
-    let mut reader = FramedRead::new(read, parts.codec);
-    reader.read_buffer_mut().extend_from_slice(&parts.read_buf);
+    let mut reader = FramedRead::new(read, parts.codec.clone());
+    reader.read_buffer_mut().extend_from_slice(&read_ahead);
     let sink = Sink {
         stream: write,
         codec,
         head: BytesMut::new(),
     };
-    (sink, reader)
+    (sink, futures_util::stream::iter(frames).chain(reader))
 }
 type Replies = mpsc::UnboundedSender<Result<Frame, NetError>>;
 
@@ -647,6 +666,54 @@ mod tests {
 
     use super::*;
     use crate::messages::Done;
+
+    /// A request that arrived together with the peer's greeting is served at once, not when
+    /// the peer's next heartbeat brings more bytes (the ~2 s weight-sync stalls).
+    #[tokio::test]
+    async fn a_request_read_ahead_with_the_greeting_is_served_without_more_bytes() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let client = tokio::net::TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (accepted, _) = listener.accept().await.unwrap();
+        let request = Frame::encode_message(
+            MessageKind::Done,
+            &Envelope {
+                call: 7,
+                more: false,
+                body: Done {},
+            },
+            Bytes::new(),
+        )
+        .unwrap();
+        let mut read_ahead = BytesMut::new();
+        FrameCodec::new()
+            .encode_head(&request, &mut read_ahead)
+            .unwrap();
+        // Half of a second frame too: it waits for the socket, the whole one does not.
+        read_ahead.extend_from_slice(&read_ahead.clone()[..10]);
+        let mut parts =
+            tokio_util::codec::FramedParts::new(LinkStream::Plain(accepted), FrameCodec::new());
+        parts.read_buf = read_ahead;
+        let limits = LinkLimits {
+            heartbeat: Duration::from_secs(3600),
+            ..LinkLimits::default()
+        };
+        let hello = Hello {
+            role: "test".into(),
+            name: "test".into(),
+            version: "test".into(),
+            credits: 4,
+            info: serde_json::Value::Null,
+        };
+        let mut server = start_server(Framed::from_parts(parts), "peer".into(), hello, &limits);
+        let incoming = tokio::time::timeout(Duration::from_secs(1), server.requests.recv())
+            .await
+            .expect("the request read ahead waited for more bytes")
+            .unwrap();
+        assert_eq!(incoming.call, 7);
+        drop(client);
+    }
 
     #[test]
     fn the_envelope_prefix_reads_like_the_full_parse() {

@@ -227,6 +227,7 @@ impl Serving<'_> {
         tokio::spawn(
             async move {
                 let source = Link::connect(&report.source, &key, &source_hello, &limits)
+                    .instrument(tracing::info_span!("weights.connect"))
                     .await?
                     .client();
                 Ok(store.pull(&source, &report).await?)
