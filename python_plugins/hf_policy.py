@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import inspect
 import time
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -446,6 +447,15 @@ class HFCausalLM(Policy):
             name: p.detach().to("cpu", dtype=torch.float32, copy=True).numpy() for name, p in self.trainable
         }
 
+    def weight_views(self) -> dict[str, np.ndarray] | Iterator[tuple[str, np.ndarray]]:
+        """``export_weights`` without its copies: a float32 weight on the CPU is lent as a
+        read-only view of the parameter itself."""
+        if self.sharding is not None:
+            return gathered_on_rank0(self.trainable)
+        return {
+            name: _read_only(p.detach().to("cpu", dtype=torch.float32).numpy()) for name, p in self.trainable
+        }
+
     @torch.no_grad()
     def import_weights(self, weights: Mapping[str, np.ndarray]) -> None:
         params = dict(self.trainable)
@@ -457,8 +467,11 @@ class HFCausalLM(Policy):
             raise ValueError(f"import_weights: parameter `{missing[0]}` is missing")
         for name, value in weights.items():
             _check_shape(name, tuple(value.shape), tuple(params[name].shape), "import_weights")
-        for name, value in weights.items():
-            params[name].copy_(torch.tensor(np.asarray(value)))
+        with warnings.catch_warnings():
+            # The arrays are read-only views of the received bytes; they are only read here.
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            for name, value in weights.items():
+                params[name].copy_(torch.from_numpy(np.asarray(value)))
 
     def snapshot(self) -> dict[str, bytes | TensorFile]:
         return self._checkpoint_files()
@@ -592,3 +605,8 @@ def _check_shape(name: str, got: tuple[int, ...], expected: tuple[int, ...], whe
         raise ValueError(
             f"{where}: tensor `{name}` has shape {list(got)}, the model expects {list(expected)}"
         )
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    array.flags.writeable = False
+    return array

@@ -91,8 +91,18 @@ class Policy(Plugin):
         """
         raise NotImplementedError
 
+    def weight_views(self) -> Mapping[str, np.ndarray] | Iterable[tuple[str, np.ndarray]]:
+        """What ``export_weights`` returns, for the engine's weight sync: the arrays may be
+        read-only views of the live parameters, since the engine copies their bytes into its
+        buffers before it lets go of the result. Defaults to ``export_weights``.
+        """
+        return self.export_weights()
+
     def import_weights(self, weights: Mapping[str, np.ndarray]) -> None:
-        """Replace the current weights (names and shapes as ``export_weights`` returns)."""
+        """Replace the current weights (names and shapes as ``export_weights`` returns).
+
+        The arrays are read-only views of the bytes as they arrived (copy one to change it).
+        """
         raise NotImplementedError
 
     def trainable_parameters(self) -> list[Any]:

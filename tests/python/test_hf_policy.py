@@ -447,3 +447,14 @@ def test_pickled_weights_are_never_loaded(tiny_model_dir, tmp_path):
     assert not list(pickled.glob("*.safetensors"))
     with pytest.raises(ValueError, match="no safetensors weights; pickled ones"):
         make_policy(str(pickled))
+
+
+def test_weight_views_lend_the_parameters_read_only(tiny_model_dir):
+    policy = make_policy(tiny_model_dir)
+    copies, views = policy.export_weights(), policy.weight_views()
+    assert set(copies) == set(views)
+    assert all(np.array_equal(copies[k], v) for k, v in views.items())
+    parameter = dict(policy.trainable)["lm_head.weight"]
+    assert np.shares_memory(views["lm_head.weight"], parameter.detach().numpy())
+    with pytest.raises(ValueError, match="read-only"):
+        views["lm_head.weight"][:] = 0.0

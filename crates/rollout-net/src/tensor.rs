@@ -150,7 +150,8 @@ impl TensorBytes {
     }
 }
 
-/// One tensor of a payload: bytes `offset..offset + len`.
+/// One tensor of a payload, or one piece of a tensor too large for a payload: bytes
+/// `offset..offset + len` of the payload are bytes `start..start + len` of the tensor.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TensorMeta {
     pub name: String,
@@ -158,20 +159,38 @@ pub struct TensorMeta {
     pub shape: Vec<u64>,
     pub offset: u64,
     pub len: u64,
+    /// For a piece of a tensor, where it starts in the tensor's bytes; `None` for a whole
+    /// tensor.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub piece_start: Option<u64>,
 }
 
 impl TensorMeta {
-    /// Checks that `len` matches the shape and dtype and that the range lies in the payload.
+    /// The bytes of the whole tensor.
+    pub fn tensor_len(&self) -> Result<u64, TensorError> {
+        self.dtype
+            .byte_len(&self.shape)
+            .ok_or_else(|| TensorError::SizeOverflow {
+                name: self.name.clone(),
+                dtype: self.dtype,
+                shape: self.shape.clone(),
+            })
+    }
+
+    /// Checks that a whole tensor's length matches its shape and dtype, that a piece is
+    /// not empty and lies in its tensor, and that the range lies in the payload.
     fn validate(&self, payload_len: u64) -> Result<(), TensorError> {
-        let expected =
-            self.dtype
-                .byte_len(&self.shape)
-                .ok_or_else(|| TensorError::SizeOverflow {
-                    name: self.name.clone(),
-                    dtype: self.dtype,
-                    shape: self.shape.clone(),
-                })?;
-        if self.len != expected {
+        let expected = self.tensor_len()?;
+        let fits = match self.piece_start {
+            None => self.len == expected,
+            Some(start) => {
+                self.len > 0
+                    && start
+                        .checked_add(self.len)
+                        .is_some_and(|end| end <= expected)
+            }
+        };
+        if !fits {
             return Err(TensorError::LengthMismatch {
                 name: self.name.clone(),
                 dtype: self.dtype,
@@ -284,10 +303,26 @@ impl TensorPayloadBuilder {
 
     /// A builder whose payload buffer starts with room for `bytes` bytes.
     pub fn with_capacity(bytes: usize) -> Self {
+        Self::reusing(Vec::with_capacity(bytes))
+    }
+
+    /// A builder writing into `buffer` (emptied first; its allocation is kept).
+    pub fn reusing(mut buffer: Vec<u8>) -> Self {
+        buffer.clear();
         Self {
-            payload: Vec::with_capacity(bytes),
+            payload: buffer,
             ..Self::default()
         }
+    }
+
+    /// Bytes of payload so far.
+    pub fn payload_len(&self) -> usize {
+        self.payload.len()
+    }
+
+    /// Whether no tensor (or piece) was pushed.
+    pub fn is_empty(&self) -> bool {
+        self.table.tensors.is_empty()
     }
 
     /// Appends a tensor; `data` is its little-endian, row-major bytes.
@@ -299,9 +334,6 @@ impl TensorPayloadBuilder {
         data: &[u8],
     ) -> Result<&mut Self, TensorError> {
         let name = name.into();
-        if self.names.contains(&name) {
-            return Err(TensorError::DuplicateName { name });
-        }
         let Some(expected) = dtype.byte_len(&shape) else {
             return Err(TensorError::SizeOverflow { name, dtype, shape });
         };
@@ -315,17 +347,47 @@ impl TensorPayloadBuilder {
                 expected,
             });
         }
+        self.append(name, dtype, shape, None, data)
+    }
+
+    /// Appends bytes `start..start + data.len()` of a tensor (a tensor larger than a payload
+    /// travels in pieces, one per payload).
+    pub fn push_piece(
+        &mut self,
+        name: String,
+        dtype: Dtype,
+        shape: Vec<u64>,
+        start: u64,
+        data: &[u8],
+    ) -> Result<&mut Self, TensorError> {
+        self.append(name, dtype, shape, Some(start), data)
+    }
+
+    fn append(
+        &mut self,
+        name: String,
+        dtype: Dtype,
+        shape: Vec<u64>,
+        piece_start: Option<u64>,
+        data: &[u8],
+    ) -> Result<&mut Self, TensorError> {
+        if self.names.contains(&name) {
+            return Err(TensorError::DuplicateName { name });
+        }
         let offset = self.payload.len().next_multiple_of(TENSOR_ALIGN);
-        self.payload.resize(offset, 0);
-        self.payload.extend_from_slice(data);
-        self.names.insert(name.clone());
-        self.table.tensors.push(TensorMeta {
+        let meta = TensorMeta {
             name,
             dtype,
             shape,
             offset: offset as u64,
-            len,
-        });
+            len: data.len() as u64,
+            piece_start,
+        };
+        meta.validate(offset as u64 + meta.len)?;
+        self.payload.resize(offset, 0);
+        self.payload.extend_from_slice(data);
+        self.names.insert(meta.name.clone());
+        self.table.tensors.push(meta);
         Ok(self)
     }
 
@@ -383,6 +445,7 @@ mod tests {
             shape: shape.to_vec(),
             offset,
             len,
+            piece_start: None,
         }
     }
 
@@ -602,5 +665,43 @@ mod tests {
         // The XXH3-128 of the empty input, from the reference implementation.
         assert_eq!(checksum(b""), "99aa06d3014798d86001c324468d497f");
         assert_ne!(checksum(b"a"), checksum(b"b"));
+    }
+
+    #[test]
+    fn a_piece_must_lie_inside_its_tensor_and_a_whole_tensor_must_fill_its_shape() {
+        let mut piece = meta("w", Dtype::F32, &[4], 0, 8);
+        assert!(
+            piece.validate(8).is_err(),
+            "8 bytes of 16 as a whole tensor"
+        );
+        piece.piece_start = Some(0);
+        piece.validate(8).unwrap();
+        piece.piece_start = Some(8);
+        piece.validate(8).unwrap();
+        piece.piece_start = Some(12);
+        assert!(matches!(
+            piece.validate(8),
+            Err(TensorError::LengthMismatch { .. })
+        ));
+        piece.piece_start = Some(u64::MAX);
+        assert!(piece.validate(8).is_err());
+        let mut empty = meta("w", Dtype::F32, &[4], 0, 0);
+        empty.piece_start = Some(0);
+        assert!(empty.validate(8).is_err(), "an empty piece says nothing");
+        // The field stays off the wire for whole tensors, so older tables still read.
+        let whole = meta("w", Dtype::F32, &[4], 0, 16);
+        assert!(!serde_json::to_string(&whole).unwrap().contains("piece"));
+        let mut builder = TensorPayloadBuilder::new();
+        builder
+            .push_piece("w".into(), Dtype::F32, vec![4], 8, &[1; 8])
+            .unwrap();
+        assert!(
+            builder
+                .push_piece("v".into(), Dtype::F32, vec![4], 12, &[1; 8])
+                .is_err()
+        );
+        let (table, payload) = builder.finish();
+        table.validate(payload.len() as u64).unwrap();
+        assert_eq!(table.tensors[0].piece_start, Some(8));
     }
 }

@@ -15,7 +15,10 @@ use rollout_net::gate::Gate;
 use rollout_net::link::{Link, LinkLimits};
 use rollout_net::messages::{Hello, PullWeights, WeightsBucket, WeightsReport};
 use rollout_net::rpc::{Incoming, Responder, RpcClient};
-use rollout_net::tensor::{TensorBytes, TensorPayloadBuilder, checksum};
+use rollout_net::tensor::{
+    Dtype, TENSOR_ALIGN, TensorBytes, TensorError, TensorMeta, TensorPayloadBuilder, TensorTable,
+    checksum,
+};
 use rollout_net::{ClusterKey, NetError};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -65,6 +68,8 @@ pub enum WeightsError {
     },
     #[error("{0}")]
     Tensor(#[from] rollout_net::TensorError),
+    #[error("tensor `{name}` arrived in pieces that do not join: {reason}")]
+    Pieces { name: String, reason: String },
 }
 
 /// A bucket as it travels: its header and payload.
@@ -95,51 +100,28 @@ impl VersionBuffer {
         }
     }
 
-    /// Cuts `tensors` into buckets of about `bucket_bytes` (a larger tensor gets its own).
+    /// Cuts `tensors` into buckets of about `bucket_bytes` (see [`VersionBuilder`]).
     pub fn from_tensors(
         version: u64,
         tensors: &[TensorBytes],
         bucket_bytes: u64,
     ) -> Result<Self, WeightsError> {
-        let mut groups: Vec<Vec<&TensorBytes>> = vec![Vec::new()];
-        let mut size = 0u64;
+        let mut builder = VersionBuilder::new(version, bucket_bytes, Vec::new());
         for tensor in tensors {
-            let len = tensor.data.len() as u64;
-            if size > 0 && size + len > bucket_bytes {
-                groups.push(Vec::new());
-                size = 0;
-            }
-            size += len;
-            if let Some(group) = groups.last_mut() {
-                group.push(tensor);
-            }
+            builder.push(&tensor.name, tensor.dtype, &tensor.shape, &tensor.data)?;
         }
-        let count = groups.len() as u32;
-        let buffer = Self::new(version, count);
-        for (index, group) in groups.into_iter().enumerate() {
-            let bytes: usize = group.iter().map(|t| t.data.len() + 8).sum();
-            let mut builder = TensorPayloadBuilder::with_capacity(bytes);
-            for tensor in group {
-                builder.push(
-                    tensor.name.clone(),
-                    tensor.dtype,
-                    tensor.shape.clone(),
-                    &tensor.data,
-                )?;
-            }
-            let (table, payload) = builder.finish();
-            buffer.push(Bucket {
-                header: WeightsBucket {
-                    version,
-                    index: index as u32,
-                    count,
-                    checksum: checksum(&payload),
-                    tensors: table,
-                },
-                payload,
-            });
-        }
-        Ok(buffer)
+        Ok(builder.finish())
+    }
+
+    /// The allocations of this version's buckets, for the next version's
+    /// [`VersionBuilder`]: those of buckets nothing else still holds.
+    pub fn into_allocations(self) -> Vec<Vec<u8>> {
+        let buckets = self.buckets.into_inner().unwrap_or_default();
+        buckets
+            .into_iter()
+            .filter_map(|bucket| bucket.payload.try_into_mut().ok())
+            .map(Vec::from)
+            .collect()
     }
 
     fn push(&self, bucket: Bucket) {
@@ -170,23 +152,40 @@ impl VersionBuffer {
         }
     }
 
-    /// Every tensor with its bytes, once all buckets are in.
+    /// Every tensor with its bytes, once all buckets are in: a whole tensor is a slice of
+    /// its bucket (not copied); one that travelled in pieces is joined into one buffer.
     pub fn tensors(&self) -> Result<Vec<TensorBytes>, WeightsError> {
         let buckets = self.buckets.lock().map(|b| b.clone()).unwrap_or_default();
         let mut tensors = Vec::new();
+        let mut joining: Option<Pieces> = None;
         for bucket in &buckets {
             for meta in &bucket.header.tensors.tensors {
                 let start = meta.offset as usize;
-                let end = start + meta.len as usize;
-                tensors.push(TensorBytes::new(
-                    meta.name.clone(),
-                    meta.dtype,
-                    meta.shape.clone(),
-                    bucket.payload.slice(start..end),
-                )?);
+                let bytes = bucket.payload.slice(start..start + meta.len as usize);
+                if joining.is_none() && meta.piece_start.is_none() {
+                    tensors.push(TensorBytes::new(
+                        meta.name.clone(),
+                        meta.dtype,
+                        meta.shape.clone(),
+                        bytes,
+                    )?);
+                    continue;
+                }
+                let mut pieces = match joining.take() {
+                    Some(pieces) => pieces,
+                    None => Pieces::first(meta)?,
+                };
+                pieces.add(meta, bytes)?;
+                match pieces.joined()? {
+                    Some(tensor) => tensors.push(tensor),
+                    None => joining = Some(pieces),
+                }
             }
         }
-        Ok(tensors)
+        match joining {
+            Some(pieces) => Err(pieces.broken("its last piece never arrived")),
+            None => Ok(tensors),
+        }
     }
 
     /// The version checksum (over the bucket checksums in order).
@@ -205,6 +204,180 @@ impl VersionBuffer {
             .lock()
             .map(|b| b.iter().map(|b| b.payload.len() as u64).sum())
             .unwrap_or(0)
+    }
+}
+
+/// Cuts tensors into buckets of about `bucket_bytes` as a policy exports them: each tensor's
+/// bytes are copied once, straight into its bucket (checksummed as the bucket closes, while
+/// it is still in cache); a tensor larger than a bucket is split into bucket-sized pieces
+/// that the receiver joins again. Buckets are written into `allocations` left by an earlier
+/// version where there are any, so a trainer does not fault in fresh pages every sync.
+pub struct VersionBuilder {
+    version: u64,
+    bucket_bytes: usize,
+    current: TensorPayloadBuilder,
+    closed: Vec<(TensorTable, Bytes, String)>,
+    allocations: Vec<Vec<u8>>,
+}
+
+impl VersionBuilder {
+    pub fn new(version: u64, bucket_bytes: u64, mut allocations: Vec<Vec<u8>>) -> Self {
+        let bucket_bytes = usize::try_from(bucket_bytes.max(1)).unwrap_or(usize::MAX);
+        let first = Self::allocation(&mut allocations, bucket_bytes);
+        Self {
+            version,
+            bucket_bytes,
+            current: TensorPayloadBuilder::reusing(first),
+            closed: Vec::new(),
+            allocations,
+        }
+    }
+
+    fn allocation(allocations: &mut Vec<Vec<u8>>, bucket_bytes: usize) -> Vec<u8> {
+        allocations.pop().unwrap_or_else(|| {
+            // Room for a full bucket and its alignment gaps; a huge configured size is not
+            // reserved up front.
+            Vec::with_capacity(bucket_bytes.saturating_add(TENSOR_ALIGN).min(1 << 30))
+        })
+    }
+
+    /// Appends one tensor (its little-endian, row-major bytes).
+    pub fn push(
+        &mut self,
+        name: &str,
+        dtype: Dtype,
+        shape: &[u64],
+        data: &[u8],
+    ) -> Result<(), WeightsError> {
+        let expected = dtype.byte_len(shape);
+        if expected != Some(data.len() as u64) {
+            return Err(TensorError::LengthMismatch {
+                name: name.to_owned(),
+                dtype,
+                shape: shape.to_vec(),
+                len: data.len() as u64,
+                expected: expected.unwrap_or(u64::MAX),
+            }
+            .into());
+        }
+        if data.len() > self.bucket_bytes {
+            if !self.current.is_empty() {
+                self.close_bucket();
+            }
+            let piece = (self.bucket_bytes / TENSOR_ALIGN * TENSOR_ALIGN).max(TENSOR_ALIGN);
+            for (index, bytes) in data.chunks(piece).enumerate() {
+                let start = (index * piece) as u64;
+                self.current
+                    .push_piece(name.to_owned(), dtype, shape.to_vec(), start, bytes)?;
+                self.close_bucket();
+            }
+            return Ok(());
+        }
+        if !self.current.is_empty() && self.current.payload_len() + data.len() > self.bucket_bytes {
+            self.close_bucket();
+        }
+        self.current
+            .push(name.to_owned(), dtype, shape.to_vec(), data)?;
+        Ok(())
+    }
+
+    fn close_bucket(&mut self) {
+        let next = Self::allocation(&mut self.allocations, self.bucket_bytes);
+        let full = std::mem::replace(&mut self.current, TensorPayloadBuilder::reusing(next));
+        let (table, payload) = full.finish();
+        let checksum = checksum(&payload);
+        self.closed.push((table, payload, checksum));
+    }
+
+    /// The version, in buckets numbered in order.
+    pub fn finish(mut self) -> VersionBuffer {
+        if !self.current.is_empty() || self.closed.is_empty() {
+            self.close_bucket();
+        }
+        let count = self.closed.len() as u32;
+        let buffer = VersionBuffer::new(self.version, count);
+        for (index, (tensors, payload, checksum)) in self.closed.into_iter().enumerate() {
+            buffer.push(Bucket {
+                header: WeightsBucket {
+                    version: self.version,
+                    index: index as u32,
+                    count,
+                    checksum,
+                    tensors,
+                },
+                payload,
+            });
+        }
+        buffer
+    }
+}
+
+/// The pieces of one tensor so far, in order.
+struct Pieces {
+    first: TensorMeta,
+    parts: Vec<Bytes>,
+    next: u64,
+    total: u64,
+}
+
+impl Pieces {
+    fn first(meta: &TensorMeta) -> Result<Self, WeightsError> {
+        let pieces = Self {
+            first: meta.clone(),
+            parts: Vec::new(),
+            next: 0,
+            total: meta.tensor_len()?,
+        };
+        if meta.piece_start != Some(0) {
+            return Err(pieces.broken("its first piece does not start at byte 0"));
+        }
+        Ok(pieces)
+    }
+
+    fn broken(&self, reason: &str) -> WeightsError {
+        WeightsError::Pieces {
+            name: self.first.name.clone(),
+            reason: reason.to_owned(),
+        }
+    }
+
+    fn add(&mut self, meta: &TensorMeta, bytes: Bytes) -> Result<(), WeightsError> {
+        let same = meta.name == self.first.name
+            && meta.dtype == self.first.dtype
+            && meta.shape == self.first.shape;
+        if !same || meta.piece_start != Some(self.next) {
+            return Err(self.broken(&format!(
+                "`{}` ({}) came where its bytes from {} were due",
+                meta.name,
+                meta.piece_start.map_or_else(
+                    || "a whole tensor".to_owned(),
+                    |start| format!("bytes from {start}")
+                ),
+                self.next
+            )));
+        }
+        self.next += meta.len;
+        self.parts.push(bytes);
+        Ok(())
+    }
+
+    /// The whole tensor, once the pieces cover it (their bytes have all arrived, so joining
+    /// them allocates nothing a peer merely claimed).
+    fn joined(&self) -> Result<Option<TensorBytes>, WeightsError> {
+        if self.next < self.total {
+            return Ok(None);
+        }
+        let mut data = Vec::with_capacity(self.parts.iter().map(Bytes::len).sum());
+        for part in &self.parts {
+            data.extend_from_slice(part);
+        }
+        let first = &self.first;
+        Ok(Some(TensorBytes::new(
+            first.name.clone(),
+            first.dtype,
+            first.shape.clone(),
+            data,
+        )?))
     }
 }
 
@@ -233,6 +406,17 @@ impl WeightStore {
 
     pub fn current(&self) -> Option<Arc<VersionBuffer>> {
         self.current.borrow().clone()
+    }
+
+    /// Stops serving the current version (the controller publishes a version only once every
+    /// generator has the one before) and returns its bucket allocations for the next
+    /// [`VersionBuilder`]: none while a puller still holds the version.
+    pub fn retire(&self) -> Vec<Vec<u8>> {
+        self.current
+            .send_replace(None)
+            .and_then(|buffer| Arc::try_unwrap(buffer).ok())
+            .map(VersionBuffer::into_allocations)
+            .unwrap_or_default()
     }
 
     /// Waits until `version` (or a newer one) is being filled here.
@@ -430,24 +614,90 @@ mod tests {
     #[test]
     fn bucketing_keeps_every_tensor_in_order() {
         let tensors = tensors();
-        for bucket_bytes in [1, 100, 200, 1 << 20] {
+        // 64 to 128 bytes each: split into pieces below 128 bytes a bucket.
+        for bucket_bytes in [1, 20, 100, 200, 1 << 20] {
             let buffer = VersionBuffer::from_tensors(3, &tensors, bucket_bytes).unwrap();
             let back = buffer.tensors().unwrap();
-            assert_eq!(back.len(), tensors.len());
-            assert_eq!(back, tensors);
+            assert_eq!(back, tensors, "{bucket_bytes}-byte buckets");
             let again = VersionBuffer::from_tensors(3, &tensors, bucket_bytes).unwrap();
             assert_eq!(buffer.checksum(), again.checksum());
-        }
-        assert_eq!(
-            VersionBuffer::from_tensors(3, &tensors, 1).unwrap().count,
-            5
-        );
-        assert_eq!(
-            VersionBuffer::from_tensors(3, &tensors, 1 << 20)
+            let largest = buffer
+                .buckets
+                .lock()
                 .unwrap()
-                .count,
-            1
+                .iter()
+                .map(|b| b.payload.len() as u64)
+                .max()
+                .unwrap();
+            assert!(largest <= bucket_bytes.max(8), "{largest} > {bucket_bytes}");
+        }
+        let total: usize = tensors.iter().map(|t| t.data.len()).sum();
+        // One 8-byte piece a bucket.
+        let tiny = VersionBuffer::from_tensors(3, &tensors, 1).unwrap();
+        assert_eq!(tiny.count as usize, total / 8);
+        let one = VersionBuffer::from_tensors(3, &tensors, 1 << 20).unwrap();
+        assert_eq!(one.count, 1);
+    }
+
+    #[test]
+    fn pieces_that_do_not_join_are_refused() {
+        let tensors = tensors();
+        let whole = VersionBuffer::from_tensors(3, &tensors, 16).unwrap();
+        let buckets = whole.buckets.lock().unwrap().clone();
+        let rebuilt = |keep: &dyn Fn(usize) -> bool| {
+            let buffer = VersionBuffer::new(3, buckets.len() as u32);
+            for (index, bucket) in buckets.iter().enumerate() {
+                if keep(index) {
+                    buffer.push(bucket.clone());
+                }
+            }
+            buffer.tensors()
+        };
+        assert_eq!(rebuilt(&|_| true).unwrap(), tensors);
+        let gap = rebuilt(&|index| index != 1).unwrap_err();
+        assert!(matches!(gap, WeightsError::Pieces { .. }), "{gap}");
+        let cut_short = rebuilt(&|index| index + 1 < buckets.len()).unwrap_err();
+        assert!(
+            cut_short.to_string().contains("never arrived"),
+            "{cut_short}"
         );
+        let no_start = rebuilt(&|index| index != 0).unwrap_err();
+        assert!(no_start.to_string().contains("byte 0"), "{no_start}");
+    }
+
+    #[test]
+    fn a_later_version_is_built_in_the_allocations_of_an_earlier_one() {
+        let tensors = tensors();
+        let first = VersionBuffer::from_tensors(1, &tensors, 100).unwrap();
+        let pointers: Vec<*const u8> = first
+            .buckets
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|b| b.payload.as_ptr())
+            .collect();
+        let allocations = first.into_allocations();
+        assert_eq!(allocations.len(), pointers.len());
+        let mut builder = VersionBuilder::new(2, 100, allocations);
+        for tensor in &tensors {
+            builder
+                .push(&tensor.name, tensor.dtype, &tensor.shape, &tensor.data)
+                .unwrap();
+        }
+        let second = builder.finish();
+        assert_eq!(second.tensors().unwrap(), tensors);
+        let reused = second
+            .buckets
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|b| pointers.contains(&b.payload.as_ptr()))
+            .count();
+        assert_eq!(reused, pointers.len());
+        // A bucket still held elsewhere (being sent) is not handed back.
+        let held = second.buckets.lock().unwrap()[0].clone();
+        assert_eq!(second.into_allocations().len(), pointers.len() - 1);
+        drop(held);
     }
 
     #[test]

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use rollout_core::cluster::weights::VersionBuffer;
+use rollout_core::cluster::weights::{VersionBuffer, VersionBuilder};
 use rollout_core::config::{ClusterConfig, KeyPath, LoadedConfig, PluginConfig, TrainConfig};
 use rollout_core::roles::{Generator, Learner, RoleError, RoleFuture, SaveWritten, Tokenizer};
 use rollout_core::train::write_files;
@@ -115,16 +115,28 @@ impl PolicyHost {
             .await??)
     }
 
-    /// The current weights, tensor by tensor, and the version they are.
-    pub async fn export_weights(&self) -> Result<(u64, Vec<TensorBytes>), RoleError> {
+    /// The current weights as a version cut into buckets of about `bucket_bytes`, written
+    /// into `allocations` (an earlier version's, see [`VersionBuffer::into_allocations`])
+    /// where there are any.
+    pub async fn export_weights(
+        &self,
+        bucket_bytes: u64,
+        allocations: Vec<Vec<u8>>,
+    ) -> Result<VersionBuffer, RoleError> {
         let policy = self.policy.clone();
         let version = self.weight_version();
-        let tensors = self
+        let buffer = self
             .worker
-            .run(move |py| policy.export_weights(py))
+            .run(move |py| {
+                let mut builder = VersionBuilder::new(version, bucket_bytes, allocations);
+                policy.export_weights(py, &mut |name, dtype, shape, bytes| {
+                    builder.push(name, dtype, shape, bytes)
+                })?;
+                Ok::<_, PluginError>(builder.finish())
+            })
             .instrument(tracing::info_span!("weights.export", version))
             .await??;
-        Ok((version, tensors))
+        Ok(buffer)
     }
 
     /// Frees the device memory generation holds (colocated with trainers), until
@@ -279,11 +291,9 @@ impl Learner for PolicyHost {
     /// copied for an in-process generator.
     fn publish_weights(&self, bucket_bytes: u64) -> RoleFuture<'_, WeightsReport> {
         traced(|| tracing::info_span!("policy.publish"), async move {
-            let (version, tensors) = self.export_weights().await?;
-            let buffer = VersionBuffer::from_tensors(version, &tensors, bucket_bytes)
-                .map_err(|err| RoleError::Protocol(err.to_string()))?;
+            let buffer = self.export_weights(bucket_bytes, Vec::new()).await?;
             Ok(WeightsReport {
-                version,
+                version: buffer.version,
                 checksum: buffer.checksum(),
                 bytes: buffer.bytes(),
                 source: String::new(),

@@ -3,6 +3,8 @@
 
 use std::collections::BTreeMap;
 
+use bytes::Bytes;
+use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyModule};
 use rollout_core::config::{ClusterConfig, Sharding as ShardingMode, TrainConfig};
@@ -11,6 +13,9 @@ use rollout_net::{Dtype, TensorBytes};
 use super::PluginError;
 use super::policy::PolicyPlugin;
 use crate::contract::{Sharding, to_python};
+
+/// Takes one exported tensor: its name, dtype, shape and bytes.
+pub type TensorSink<'a, E> = dyn FnMut(&str, Dtype, &[u64], &[u8]) -> Result<(), E> + 'a;
 
 impl PolicyPlugin {
     /// Joins the trainers' torch.distributed process group (`env://` rendezvous:
@@ -126,9 +131,26 @@ impl PolicyPlugin {
         self.float_metrics(hook, &metrics)
     }
 
-    /// The current weights as raw little-endian bytes, in the order `export_weights` lists.
-    pub fn export_weights(&self, py: Python<'_>) -> Result<Vec<TensorBytes>, PluginError> {
-        let hook = "export_weights";
+    /// Hands each tensor `weight_views` (or `export_weights`) lists, in order, to `sink` as
+    /// raw little-endian bytes read in place from the array the policy returned (nothing is
+    /// copied on the way; a sharded policy gathers each tensor as it is asked for).
+    pub fn export_weights<E: std::fmt::Display>(
+        &self,
+        py: Python<'_>,
+        sink: &mut TensorSink<'_, E>,
+    ) -> Result<(), PluginError> {
+        // `weight_views` (the SDK's default is `export_weights`) may lend views, not copies.
+        let lends_views = self
+            .plugin
+            .object
+            .bind(py)
+            .hasattr("weight_views")
+            .unwrap_or(false);
+        let hook = if lends_views {
+            "weight_views"
+        } else {
+            "export_weights"
+        };
         let weights = self.plugin.call(py, hook, ())?;
         let pairs = match weights.cast::<PyDict>() {
             Ok(dict) => dict.items().into_any(),
@@ -143,38 +165,31 @@ impl PolicyPlugin {
         let numpy = py
             .import("numpy")
             .map_err(|err| self.plugin.raised(py, hook, &err))?;
-        let mut tensors = Vec::new();
-        // A sharded policy gathers each tensor as it is asked for: one at a time in memory.
         for pair in pairs {
             let pair = pair.map_err(|err| self.plugin.raised(py, hook, &err))?;
             let (name, array): (String, Bound<'_, PyAny>) = pair.extract().map_err(|_| {
                 self.plugin
                     .bad_return(hook, "names must be str, each with one array")
             })?;
-            let tensor = (|| -> PyResult<Option<TensorBytes>> {
-                let array = numpy.call_method1("ascontiguousarray", (array,))?;
-                let code: String = array.getattr("dtype")?.getattr("str")?.extract()?;
-                let Some(dtype) = dtype_of_numpy(&code) else {
-                    return Ok(None);
-                };
-                let shape: Vec<u64> = array.getattr("shape")?.extract()?;
-                let data = array.call_method0("tobytes")?;
-                let data = data.cast::<pyo3::types::PyBytes>()?.as_bytes().to_vec();
-                Ok(TensorBytes::new(name.clone(), dtype, shape, data).ok())
-            })()
-            .map_err(|err| self.plugin.raised(py, hook, &err))?
-            .ok_or_else(|| {
+            let (dtype, shape, bytes) =
+                raw_bytes(&numpy, &array).map_err(|err| self.plugin.raised(py, hook, &err))?;
+            let dtype = dtype.ok_or_else(|| {
                 self.plugin.bad_return(
                     hook,
                     format!("`{name}` has a dtype that cannot be sent (use float32, float16, integer or bool)"),
                 )
             })?;
-            tensors.push(tensor);
+            let bytes = bytes
+                .as_slice()
+                .map_err(|err| self.plugin.bad_return(hook, format!("`{name}`: {err}")))?;
+            sink(&name, dtype, &shape, bytes)
+                .map_err(|err| self.plugin.bad_return(hook, format!("`{name}`: {err}")))?;
         }
-        Ok(tensors)
+        Ok(())
     }
 
     /// Replaces the weights with `tensors` (checked against the model by `import_weights`).
+    /// Each array handed to the policy is a read-only view of the bytes as they arrived.
     pub fn import_weights(
         &self,
         py: Python<'_>,
@@ -185,7 +200,7 @@ impl PolicyPlugin {
             let numpy = py.import("numpy")?;
             let weights = PyDict::new(py);
             for tensor in tensors {
-                let bytes = pyo3::types::PyByteArray::new(py, &tensor.data);
+                let bytes = Bound::new(py, ReceivedBytes(tensor.data.clone()))?;
                 let kwargs = PyDict::new(py);
                 kwargs.set_item("dtype", numpy_code(tensor.dtype))?;
                 let array = numpy
@@ -200,8 +215,61 @@ impl PolicyPlugin {
     }
 }
 
-/// The most tokens any sample of `request` may generate (per-sample budgets of the plugin's
-/// `generate` are applied by truncating to this common maximum).
+/// Bytes received for a tensor, lent to Python as a read-only buffer (what
+/// `numpy.frombuffer` views without copying); the bytes live as long as any view of them.
+#[pyclass(frozen)]
+struct ReceivedBytes(Bytes);
+
+// The buffer protocol has no safe binding: this one method is the crate's only unsafe code.
+#[allow(unsafe_code)]
+#[pymethods]
+impl ReceivedBytes {
+    /// # Safety
+    /// Called by CPython with a valid `view` to fill, as the buffer protocol requires.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut pyo3::ffi::Py_buffer,
+        flags: std::os::raw::c_int,
+    ) -> PyResult<()> {
+        let bytes = &slf.get().0;
+        let len = isize::try_from(bytes.len())
+            .map_err(|_| pyo3::exceptions::PyBufferError::new_err("too large for a buffer"))?;
+        // SAFETY: `view` comes from CPython; the buffer lies in `Bytes` that this object owns
+        // and never changes, and `PyBuffer_FillInfo` takes a reference to the object, so the
+        // bytes outlive every view. Read-only: a request to write fails with BufferError.
+        let filled = unsafe {
+            pyo3::ffi::PyBuffer_FillInfo(
+                view,
+                slf.as_ptr(),
+                bytes.as_ptr().cast_mut().cast(),
+                len,
+                1,
+                flags,
+            )
+        };
+        if filled == -1 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        Ok(())
+    }
+}
+
+/// An array's wire dtype (`None` if it has none), shape and bytes: a flat `uint8` view of
+/// the array itself when it is C-contiguous (a copy only when it is not).
+fn raw_bytes<'py>(
+    numpy: &Bound<'py, PyModule>,
+    array: &Bound<'py, PyAny>,
+) -> PyResult<(Option<Dtype>, Vec<u64>, PyReadonlyArray1<'py, u8>)> {
+    let array = numpy.call_method1("ascontiguousarray", (array,))?;
+    let code: String = array.getattr("dtype")?.getattr("str")?.extract()?;
+    let shape: Vec<u64> = array.getattr("shape")?.extract()?;
+    let flat = array
+        .call_method1("reshape", (-1,))?
+        .call_method1("view", (numpy.getattr("uint8")?,))?;
+    let bytes = flat.cast_into::<PyArray1<u8>>()?.readonly();
+    Ok((dtype_of_numpy(&code), shape, bytes))
+}
+
 /// The wire dtype of a numpy dtype string (`dtype.str`), little-endian only.
 fn dtype_of_numpy(code: &str) -> Option<Dtype> {
     Some(match code {

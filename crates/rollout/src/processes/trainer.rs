@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use rollout_core::cluster::weights::{VersionBuffer, WeightStore};
+use rollout_core::cluster::weights::WeightStore;
 use rollout_core::config::Sharding;
 use rollout_core::roles::{Learner, RoleError, SaveWritten};
 use rollout_net::messages::{
@@ -180,11 +180,13 @@ async fn publish(
     weights_address: &str,
     name: &str,
 ) -> Result<WeightsReport, RoleError> {
-    let (version, tensors) = host.export_weights().await?;
-    let buffer = VersionBuffer::from_tensors(version, &tensors, request.bucket_bytes)
-        .map_err(|err| RoleError::Protocol(err.to_string()))?;
-    let (bytes, checksum) = (buffer.bytes(), buffer.checksum());
-    if !weights_address.is_empty() {
+    let serving = !weights_address.is_empty();
+    let allocations = if serving { store.retire() } else { Vec::new() };
+    let buffer = host
+        .export_weights(request.bucket_bytes, allocations)
+        .await?;
+    let (version, bytes, checksum) = (buffer.version, buffer.bytes(), buffer.checksum());
+    if serving {
         store.publish(Arc::new(buffer));
     }
     Ok(WeightsReport {
