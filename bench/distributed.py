@@ -56,14 +56,18 @@ def cargo_example(name: str) -> Path:
     return EXAMPLES / name
 
 
-def launch(config: Path, *overrides: str, timeout: float = 1800) -> list[dict[str, Any]]:
+def launch(
+    config: Path, *overrides: str, timeout: float = 1800, trace: Path | None = None
+) -> list[dict[str, Any]]:
     args = [str(ROLLOUT), "launch", str(config), "--overwrite"]
+    if trace is not None:
+        args += ["--trace", str(trace)]
     for override in overrides:
         args += ["--set", override]
-    log = config.with_suffix(".log")
+    output_dir = next(o.split("=", 1)[1] for o in overrides if o.startswith("run.output_dir="))
+    log = Path(output_dir).with_suffix(".log")
     with log.open("w") as out:
         subprocess.run(args, stdout=out, stderr=subprocess.STDOUT, check=True, timeout=timeout, cwd=REPO)
-    output_dir = next(o.split("=", 1)[1] for o in overrides if o.startswith("run.output_dir="))
     lines = (Path(output_dir) / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
 
@@ -113,6 +117,24 @@ def weight_sync_transport(work: Path, small: Path, repeats: int) -> list[dict[st
     return json.loads(result.stdout)["transport"]
 
 
+def span_seconds(trace: Path) -> dict[str, list[float]]:
+    """Seconds of each weight-sync span (export, pull, import) in a merged `--trace` file."""
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {"weights.export", "weights.connect", "weights.pull", "weights.import"}
+    begun: dict[tuple[Any, Any, str], float] = {}
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    for event in events:
+        name = event.get("name")
+        if name not in names or event.get("ph") not in ("b", "e"):
+            continue
+        key = (event["pid"], event.get("id"), name)
+        if event["ph"] == "b":
+            begun[key] = event["ts"]
+        elif key in begun:
+            seconds[name].append((event["ts"] - begun.pop(key)) / 1e6)
+    return seconds
+
+
 def weight_sync_end_to_end(work: Path, small: Path, data: Path, steps: int) -> list[dict[str, Any]]:
     rows = []
     for workers in WORKER_COUNTS:
@@ -132,11 +154,48 @@ def weight_sync_end_to_end(work: Path, small: Path, data: Path, steps: int) -> l
                 },
             ),
         )
-        lines = launch(config, f"run.output_dir={work / f'sync-{workers}'}")
+        trace = work / f"sync-{workers}.trace.json"
+        lines = launch(config, f"run.output_dir={work / f'sync-{workers}'}", trace=trace)
         seconds = [line["weight_sync_seconds"] for line in lines[1:]]
-        rows.append({"workers": workers, "seconds": seconds, "seconds_median": statistics.median(seconds)})
-        print(f"  end to end, {workers} workers: {statistics.median(seconds):.3f} s per sync", flush=True)
+        spans = {name: statistics.median(values) for name, values in span_seconds(trace).items() if values}
+        rows.append(
+            {
+                "workers": workers,
+                "seconds": seconds,
+                "seconds_median": statistics.median(seconds),
+                "span_seconds_median": spans,
+            }
+        )
+        print(
+            f"  end to end, {workers} workers: {statistics.median(seconds):.3f} s per sync {spans}",
+            flush=True,
+        )
     return rows
+
+
+def fractions_of_raw_chain(
+    transport: list[dict[str, Any]], end_to_end: list[dict[str, Any]]
+) -> dict[str, float]:
+    """Per worker count: the raw relay chain's seconds for the model's bytes (measured in this
+    run by the transport benchmark) over the end-to-end sync's median seconds."""
+    fractions = {}
+    for row in end_to_end:
+        raw = next(t for t in transport if t["workers"] == row["workers"])
+        raw_seconds = raw["model_bytes"] / raw["raw_relay_chain_bytes_per_second"]
+        fractions[str(row["workers"])] = raw_seconds / row["seconds_median"]
+    return fractions
+
+
+def step_time_tail(work: Path, steps: int) -> dict[str, Any]:
+    """`rollout launch configs/distributed.toml` as shipped (its own warm start included): how
+    the slowest 1% of steps compare with the median step."""
+    config = REPO / "configs" / "distributed.toml"
+    lines = launch(config, f"run.output_dir={work / 'shipped'}", f"run.steps={steps}")
+    seconds = sorted(line["step_seconds"] for line in lines)
+    p99 = seconds[min(len(seconds) - 1, round(0.99 * (len(seconds) - 1)))]
+    median = statistics.median(seconds)
+    print(f"  {steps} steps of configs/distributed.toml: median {median:.3f} s, p99 {p99:.3f} s", flush=True)
+    return {"steps": steps, "median_seconds": median, "p99_seconds": p99, "p99_over_median": p99 / median}
 
 
 # Asynchronous vs synchronous
@@ -251,11 +310,22 @@ def controller_capacity() -> dict[str, Any]:
     return json.loads((REPO / "bench" / "results" / "distributed_controller.json").read_text())["summary"]
 
 
+PARTS = ("sync", "tail", "async", "controller")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, default=REPO / "bench" / ".work" / "distributed")
     parser.add_argument("--quick", action="store_true", help="fewer steps and repeats (a smoke run)")
+    parser.add_argument(
+        "--parts",
+        default=",".join(PARTS),
+        help=f"comma-separated subset of {','.join(PARTS)}; the others keep their figures in the results",
+    )
     args = parser.parse_args(argv)
+    parts = set(args.parts.split(","))
+    if not parts <= set(PARTS):
+        parser.error(f"--parts: unknown {sorted(parts - set(PARTS))}")
     work: Path = args.work
     if work.exists():
         shutil.rmtree(work)
@@ -264,56 +334,76 @@ def main(argv: Sequence[str] | None = None) -> int:
     data_dir = work / "data"
     write_addition_splits(data_dir, train=TRAIN_EXAMPLES, test=TEST_EXAMPLES, seed=0)
     data = data_dir / "train.jsonl"
+    results: dict[str, Any] = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    details = results.setdefault("details", {})
+    results["machine"] = {"cpus": os.cpu_count(), "cpu_model": cpu_model()}
 
-    print("weight sync: the ~25M model", flush=True)
-    small_size = SIZES["small"]
-    small = work / "small"
-    create_tiny_model(
-        small,
-        hidden_size=small_size.hidden_size,
-        num_layers=small_size.num_layers,
-        num_heads=small_size.num_heads,
-        intermediate_size=small_size.intermediate_size,
-        seed=0,
-    )
-    transport = weight_sync_transport(work, small, repeats=3 if quick else 9)
-    end_to_end = weight_sync_end_to_end(work, small, data, steps=3 if quick else 6)
+    if "sync" in parts:
+        print("weight sync: the ~25M model", flush=True)
+        small_size = SIZES["small"]
+        small = work / "small"
+        create_tiny_model(
+            small,
+            hidden_size=small_size.hidden_size,
+            num_layers=small_size.num_layers,
+            num_heads=small_size.num_heads,
+            intermediate_size=small_size.intermediate_size,
+            seed=0,
+        )
+        transport = weight_sync_transport(work, small, repeats=3 if quick else 9)
+        end_to_end = weight_sync_end_to_end(work, small, data, steps=3 if quick else 6)
+        four = next(row for row in transport if row["workers"] == 4)
+        results.update(
+            {
+                "weight_sync_fraction_of_loopback": four["fraction_of_loopback"],
+                "weight_sync_fraction_of_raw_relay_chain": four["fraction_of_raw_relay_chain"],
+                "weight_sync_end_to_end_fraction_of_raw_chain": fractions_of_raw_chain(transport, end_to_end),
+                "trainer_egress_per_model_bytes": four["trainer_egress_per_model_bytes"],
+                "weight_sync_seconds": {str(row["workers"]): row["seconds_median"] for row in end_to_end},
+                "weight_sync_transport_seconds": {
+                    str(row["workers"]): row["seconds_median"] for row in transport
+                },
+            }
+        )
+        details.update({"transport": transport, "end_to_end": end_to_end})
 
-    print("asynchronous vs synchronous", flush=True)
-    model = warm_start(work, data)
-    throughput = async_throughput(work, model, data, steps=8 if quick else 20, repeats=1 if quick else 2)
-    learning = async_learning(work, model, data, steps=20 if quick else 100)
+    if "tail" in parts:
+        print("step-time tail of configs/distributed.toml", flush=True)
+        tail = step_time_tail(work, steps=30 if quick else 150)
+        results["step_seconds_p99_over_median"] = tail["p99_over_median"]
+        details["step_time_tail"] = tail
 
-    print("controller capacity", flush=True)
-    capacity = controller_capacity()
+    if "async" in parts:
+        print("asynchronous vs synchronous", flush=True)
+        model = warm_start(work, data)
+        throughput = async_throughput(work, model, data, steps=8 if quick else 20, repeats=1 if quick else 2)
+        learning = async_learning(work, model, data, steps=20 if quick else 100)
+        results["async_speedup_vs_sync"] = throughput["speedup"]
+        results["async_learning_not_worse"] = learning["verdict"]["not_worse"]
+        details.update({"throughput": throughput, "learning": learning})
 
-    four = next(row for row in transport if row["workers"] == 4)
-    results = {
-        "machine": {"cpus": os.cpu_count()},
-        "weight_sync_fraction_of_loopback": four["fraction_of_loopback"],
-        "weight_sync_fraction_of_raw_relay_chain": four["fraction_of_raw_relay_chain"],
-        "trainer_egress_per_model_bytes": four["trainer_egress_per_model_bytes"],
-        "weight_sync_seconds": {str(row["workers"]): row["seconds_median"] for row in end_to_end},
-        "weight_sync_transport_seconds": {str(row["workers"]): row["seconds_median"] for row in transport},
-        "async_speedup_vs_sync": throughput["speedup"],
-        "async_learning_not_worse": learning["verdict"]["not_worse"],
+    if "controller" in parts:
+        print("controller capacity", flush=True)
+        capacity = controller_capacity()
         # The hardest of the sweep: 64 workers, requests back to back; and the worst p99 of
         # any worker count with 50k samples/s offered (bench/results/distributed_controller.json).
-        "controller_samples_per_second": capacity["controller_samples_per_second"]["at_64_workers"],
-        "controller_p99_ms": capacity["controller_p99_ms"]["max_paced"],
-        "details": {
-            "transport": transport,
-            "end_to_end": end_to_end,
-            "throughput": throughput,
-            "learning": learning,
-            "controller": capacity,
-        },
-    }
+        results["controller_samples_per_second"] = capacity["controller_samples_per_second"]["at_64_workers"]
+        results["controller_p99_ms"] = capacity["controller_p99_ms"]["max_paced"]
+        details["controller"] = capacity
+
+    results["details"] = details
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
     summary = {k: v for k, v in results.items() if k != "details"}
     print(json.dumps(summary, indent=2))
     return 0
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
 
 
 if __name__ == "__main__":
