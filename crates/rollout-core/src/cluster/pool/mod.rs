@@ -102,10 +102,15 @@ struct Tally {
     completions: BTreeMap<String, u64>,
 }
 
+/// How long `shutdown` waits for workers still joining to be turned away.
+const ADMIT_GRACE: Duration = Duration::from_secs(10);
+
 struct Shared {
     members: Mutex<Vec<Arc<Member>>>,
     /// Set once the run is over: workers that connect now are sent away.
     closed: AtomicBool,
+    /// Late workers being admitted now; `shutdown` waits for them to be turned away.
+    admitting: tokio::sync::watch::Sender<usize>,
     /// The newest weights published (what a joining worker pulls).
     latest: Mutex<Option<WeightsReport>>,
     arrived: Notify,
@@ -149,6 +154,7 @@ impl RemoteWorkers {
         let shared = Arc::new(Shared {
             members: Mutex::new(members.clone()),
             closed: AtomicBool::new(false),
+            admitting: tokio::sync::watch::channel(0).0,
             latest: Mutex::new(None),
             arrived: Notify::new(),
             ledger: Mutex::new(ledger),
@@ -175,9 +181,12 @@ impl RemoteWorkers {
                     continue;
                 }
                 let (shared, config_toml) = (shared.clone(), config_toml.clone());
+                shared.admitting.send_modify(|n| *n += 1);
                 tokio::spawn(async move {
                     let member = Member::new(link.client());
-                    if let Err(err) = shared.admit(member.clone(), config_toml).await {
+                    let admitted = shared.admit(member.clone(), config_toml).await;
+                    shared.admitting.send_modify(|n| *n = n.saturating_sub(1));
+                    if let Err(err) = admitted {
                         tracing::warn!("{} could not join: {err}", member.name);
                     }
                 });
@@ -202,6 +211,13 @@ impl RemoteWorkers {
             let reason = reason.to_owned();
             let _ = send::<_, Done>(&member.client, &Shutdown { reason }).await;
         }
+        // A worker still joining is turned away once its weights are in; were the process to
+        // exit first, it would take the closed link for a lost controller and keep retrying.
+        let mut admitting = self.shared.admitting.subscribe();
+        let settled = admitting.wait_for(|&n| n == 0);
+        if tokio::time::timeout(ADMIT_GRACE, settled).await.is_err() {
+            tracing::warn!("workers still joining after {ADMIT_GRACE:?}; leaving them");
+        }
         self.report_left();
     }
 
@@ -212,6 +228,13 @@ impl RemoteWorkers {
             health.left(RoleKind::Worker, &member.name, &member.client.heard());
         }
     }
+}
+
+/// Tells a worker that arrived after the run ended to leave.
+async fn turn_away(member: &Member) -> Result<(), RoleError> {
+    let reason = "the run is over".to_owned();
+    let _ = send::<_, Done>(&member.client, &Shutdown { reason }).await;
+    Ok(())
 }
 
 impl Shared {
@@ -239,9 +262,7 @@ impl Shared {
         config_toml: String,
     ) -> Result<(), RoleError> {
         if self.closed.load(Ordering::SeqCst) {
-            let reason = "the run is over".to_owned();
-            let _ = send::<_, Done>(&member.client, &Shutdown { reason }).await;
-            return Ok(());
+            return turn_away(&member).await;
         }
         let welcome = Welcome {
             config_toml,
@@ -265,6 +286,13 @@ impl Shared {
                 }
             }
             let mut members = lock(&self.members);
+            // Checked under the lock `shutdown` takes after closing the pool: a worker that
+            // finished joining as the run ended is either among those it shuts down or
+            // turned away here, never left connected to a controller about to exit.
+            if self.closed.load(Ordering::SeqCst) {
+                drop(members);
+                return turn_away(&member).await;
+            }
             if *lock(&self.latest) == latest {
                 members.push(member.clone());
                 break;
