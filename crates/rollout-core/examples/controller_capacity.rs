@@ -251,14 +251,8 @@ fn request_template(shape: Shape, prompt_tokens: usize) -> GenerateRequest {
             })
             .collect(),
         sampling: SamplingParams {
-            max_new_tokens: 8,
-            temperature: 1.0,
-            top_p: 1.0,
-            top_k: 0,
             stop_token_ids: vec![2],
-            stop_strings: Vec::new(),
-            ignore_eos: false,
-            seed: 1234,
+            ..SamplingParams::plain(8, 1234)
         },
     }
 }

@@ -50,16 +50,7 @@ fn request(prompts: u32) -> GenerateRequest {
                 group: None,
             })
             .collect(),
-        sampling: SamplingParams {
-            max_new_tokens: 4,
-            temperature: 1.0,
-            top_p: 1.0,
-            top_k: 0,
-            stop_token_ids: Vec::new(),
-            stop_strings: Vec::new(),
-            ignore_eos: false,
-            seed: 1,
-        },
+        sampling: SamplingParams::plain(4, 1),
     }
 }
 

@@ -31,16 +31,7 @@ fn request(step: u64, prompts: u32) -> GenerateRequest {
                 group: Some(GroupRef { step, index }),
             })
             .collect(),
-        sampling: SamplingParams {
-            max_new_tokens: 4,
-            temperature: 1.0,
-            top_p: 1.0,
-            top_k: 0,
-            stop_token_ids: Vec::new(),
-            stop_strings: Vec::new(),
-            ignore_eos: false,
-            seed: 7,
-        },
+        sampling: SamplingParams::plain(4, 7),
     }
 }
 

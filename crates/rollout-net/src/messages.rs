@@ -46,6 +46,23 @@ pub struct SamplingParams {
     pub seed: u64,
 }
 
+impl SamplingParams {
+    /// Sampling from the model's own distribution: temperature 1, no top-p or top-k cut, no
+    /// stop but end-of-sequence.
+    pub fn plain(max_new_tokens: u32, seed: u64) -> Self {
+        Self {
+            max_new_tokens,
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            stop_token_ids: Vec::new(),
+            stop_strings: Vec::new(),
+            ignore_eos: false,
+            seed,
+        }
+    }
+}
+
 /// One prompt to complete `n` times.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PromptRequest {

@@ -23,16 +23,7 @@ fn request() -> GenerateRequest {
             seed: None,
             group: None,
         }],
-        sampling: SamplingParams {
-            max_new_tokens: 32,
-            temperature: 1.0,
-            top_p: 1.0,
-            top_k: 0,
-            stop_token_ids: vec![],
-            stop_strings: vec![],
-            ignore_eos: false,
-            seed: 7,
-        },
+        sampling: SamplingParams::plain(32, 7),
     }
 }
 

@@ -92,16 +92,7 @@ mod tests {
     use super::*;
 
     fn sampling() -> SamplingParams {
-        SamplingParams {
-            max_new_tokens: 4,
-            temperature: 1.0,
-            top_p: 1.0,
-            top_k: 0,
-            stop_token_ids: Vec::new(),
-            stop_strings: Vec::new(),
-            ignore_eos: false,
-            seed: 0,
-        }
+        SamplingParams::plain(4, 0)
     }
 
     fn prompt(n: u32) -> PromptRequest {
