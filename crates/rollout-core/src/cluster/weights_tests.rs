@@ -1,0 +1,127 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use rollout_net::Dtype;
+
+use super::*;
+
+fn tensors() -> Vec<TensorBytes> {
+    (0..5)
+        .map(|i| TensorBytes {
+            name: format!("layer.{i}.weight"),
+            dtype: Dtype::F32,
+            shape: vec![4, 4 + i],
+            data: (0..(16 * (4 + i)))
+                .map(|b| (b * 7 + i) as u8)
+                .collect::<Vec<u8>>()
+                .into(),
+        })
+        .collect()
+}
+
+#[test]
+fn bucketing_keeps_every_tensor_in_order() {
+    let tensors = tensors();
+    // 64 to 128 bytes each: split into pieces below 128 bytes a bucket.
+    for bucket_bytes in [1, 20, 100, 200, 1 << 20] {
+        let buffer = VersionBuffer::from_tensors(3, &tensors, bucket_bytes).unwrap();
+        let back = buffer.tensors().unwrap();
+        assert_eq!(back, tensors, "{bucket_bytes}-byte buckets");
+        let again = VersionBuffer::from_tensors(3, &tensors, bucket_bytes).unwrap();
+        assert_eq!(buffer.checksum(), again.checksum());
+        let largest = buffer
+            .buckets
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|b| b.payload.len() as u64)
+            .max()
+            .unwrap();
+        assert!(largest <= bucket_bytes.max(8), "{largest} > {bucket_bytes}");
+    }
+    let total: usize = tensors.iter().map(|t| t.data.len()).sum();
+    // One 8-byte piece a bucket.
+    let tiny = VersionBuffer::from_tensors(3, &tensors, 1).unwrap();
+    assert_eq!(tiny.count as usize, total / 8);
+    let one = VersionBuffer::from_tensors(3, &tensors, 1 << 20).unwrap();
+    assert_eq!(one.count, 1);
+}
+
+#[test]
+fn pieces_that_do_not_join_are_refused() {
+    let tensors = tensors();
+    let whole = VersionBuffer::from_tensors(3, &tensors, 16).unwrap();
+    let buckets = whole.buckets.lock().unwrap().clone();
+    let rebuilt = |keep: &dyn Fn(usize) -> bool| {
+        let buffer = VersionBuffer::new(3, buckets.len() as u32);
+        for (index, bucket) in buckets.iter().enumerate() {
+            if keep(index) {
+                buffer.push(bucket.clone());
+            }
+        }
+        buffer.tensors()
+    };
+    assert_eq!(rebuilt(&|_| true).unwrap(), tensors);
+    let gap = rebuilt(&|index| index != 1).unwrap_err();
+    assert!(matches!(gap, WeightsError::Pieces { .. }), "{gap}");
+    let cut_short = rebuilt(&|index| index + 1 < buckets.len()).unwrap_err();
+    assert!(
+        cut_short.to_string().contains("never arrived"),
+        "{cut_short}"
+    );
+    let no_start = rebuilt(&|index| index != 0).unwrap_err();
+    assert!(no_start.to_string().contains("byte 0"), "{no_start}");
+}
+
+#[test]
+fn a_later_version_is_built_in_the_allocations_of_an_earlier_one() {
+    let tensors = tensors();
+    let first = VersionBuffer::from_tensors(1, &tensors, 100).unwrap();
+    let pointers: Vec<*const u8> = first
+        .buckets
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|b| b.payload.as_ptr())
+        .collect();
+    let allocations = first.into_allocations();
+    assert_eq!(allocations.len(), pointers.len());
+    let mut builder = VersionBuilder::new(2, 100, allocations);
+    for tensor in &tensors {
+        builder
+            .push(&tensor.name, tensor.dtype, &tensor.shape, &tensor.data)
+            .unwrap();
+    }
+    let second = builder.finish();
+    assert_eq!(second.tensors().unwrap(), tensors);
+    let reused = second
+        .buckets
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|b| pointers.contains(&b.payload.as_ptr()))
+        .count();
+    assert_eq!(reused, pointers.len());
+    // A bucket still held elsewhere (being sent) is not handed back.
+    let held = second.buckets.lock().unwrap()[0].clone();
+    assert_eq!(second.into_allocations().len(), pointers.len() - 1);
+    drop(held);
+}
+
+#[test]
+fn the_checksum_sees_a_flipped_bit_and_a_renamed_tensor() {
+    let checksum = |tensors: &[TensorBytes]| {
+        VersionBuffer::from_tensors(1, tensors, 200)
+            .unwrap()
+            .checksum()
+    };
+    let tensors = tensors();
+    let original = checksum(&tensors);
+    let mut flipped = tensors.clone();
+    let mut data = flipped[2].data.to_vec();
+    data[5] ^= 1;
+    flipped[2].data = data.into();
+    assert_ne!(checksum(&flipped), original);
+    let mut renamed = tensors.clone();
+    renamed[0].name = "layer.0.bias".into();
+    assert_ne!(checksum(&renamed), original);
+}
