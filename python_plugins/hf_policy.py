@@ -31,6 +31,8 @@ from python_plugins.model_setup import (
     check_memory_options,
     load_model,
 )
+from python_plugins.output_head import OutputHead, output_head, sequence_logprobs
+from python_plugins.packing import Packing, plan_right_padded
 from python_plugins.sampling import select_tokens
 from python_plugins.sharded_checkpoint import is_sharded_checkpoint, load_state, state_files
 from python_plugins.sharding import check_shardable, gathered_on_rank0, shard_model
@@ -48,7 +50,7 @@ from rollout_sdk import (
     TokenBatch,
     TrainBatch,
 )
-from rollout_sdk.objectives import needs_reference, needs_values, objective_loss, token_logprobs
+from rollout_sdk.objectives import needs_reference, needs_values, objective_loss
 from rollout_sdk.snapshot import TensorFile, write_snapshot
 
 __all__ = ["HFCausalLM"]
@@ -284,15 +286,25 @@ class HFCausalLM(Policy):
             torch.tensor(attention_mask, dtype=torch.long, device=self.device),
         )
 
-    @staticmethod
     def _token_logprobs(
-        model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float
+        self,
+        model: PreTrainedModel,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        temperature: float,
+        packing: Packing | None = None,
     ) -> torch.Tensor:
-        positions = (attention_mask.cumsum(-1) - 1).clamp_min(0)
-        logits = model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False
-        ).logits
-        return token_logprobs(logits, input_ids, temperature)
+        """Per-token logprobs (python_plugins/output_head.py); ``packing`` is used if the model can."""
+        head = self._output_head(model)
+        if head is None or not head.packs:
+            packing = None
+        return sequence_logprobs(model, head, input_ids, attention_mask, temperature, packing)
+
+    def _output_head(self, model: PreTrainedModel) -> OutputHead | None:
+        """The chunked output layer, or ``None`` to use the model's logits. Sharded, always
+        ``None``: FSDP gathers the output layer's weight in the root module's forward pass,
+        which running the decoder alone would bypass."""
+        return None if self.sharding is not None else output_head(model)
 
     # Sampling engine
 
@@ -329,26 +341,29 @@ class HFCausalLM(Policy):
             and self.sharding is None
         )
         plan = plan_shared_prefixes(batch.input_ids, batch.attention_mask, batch.loss_mask) if share else None
+        # Otherwise the rows may run packed, without their padding (python_plugins/packing.py).
+        packing = plan_right_padded(batch.attention_mask) if plan is None and self.sharding is None else None
 
-        def sequence_logprobs(model: PreTrainedModel) -> torch.Tensor:
+        def pass_logprobs(model: PreTrainedModel) -> torch.Tensor:
             if plan is not None:
-                return shared_prefix_logprobs(model, plan, temperature, self.device)
+                return shared_prefix_logprobs(model, plan, temperature, self.device, self._output_head(model))
             input_ids, attention_mask = self._as_tensors(batch.input_ids, batch.attention_mask)
-            return self._token_logprobs(model, input_ids, attention_mask, temperature)
+            return self._token_logprobs(model, input_ids, attention_mask, temperature, packing)
 
         values = None
         if needs_values(objective):
             input_ids, attention_mask = self._as_tensors(batch.input_ids, batch.attention_mask)
-            logprobs, hidden = logprobs_and_hidden(self.model, input_ids, attention_mask, temperature)
+            head = self._output_head(self.model)
+            logprobs, hidden = logprobs_and_hidden(self.model, input_ids, attention_mask, temperature, head)
             values = self._value_head()(hidden)
         else:
-            logprobs = sequence_logprobs(self.model)
+            logprobs = pass_logprobs(self.model)
         ref_logprobs = None
         reference_seconds = 0.0
         if needs_reference(objective):
             started = time.perf_counter()
             with torch.no_grad():
-                ref_logprobs = sequence_logprobs(self._reference())
+                ref_logprobs = pass_logprobs(self._reference())
             reference_seconds = time.perf_counter() - started
         output = objective_loss(logprobs, batch, ref_logprobs=ref_logprobs, values=values)
         output.loss.backward()
@@ -358,7 +373,14 @@ class HFCausalLM(Policy):
     def values(self, batch: TrainBatch) -> np.ndarray:
         self._set_training(False)
         input_ids, attention_mask = self._as_tensors(batch.input_ids, batch.attention_mask)
-        _, hidden = logprobs_and_hidden(self.model, input_ids, attention_mask, 1.0)
+        head = self._output_head(self.model)
+        if head is not None:
+            positions = (attention_mask.cumsum(-1) - 1).clamp_min(0)
+            hidden = head.hidden(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False
+            )
+        else:
+            _, hidden = logprobs_and_hidden(self.model, input_ids, attention_mask, 1.0)
         values = self._value_head()(hidden) * attention_mask
         return values.cpu().numpy().astype(np.float32)
 

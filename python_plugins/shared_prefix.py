@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from python_plugins.output_head import OutputHead, predicted_logprobs
 from rollout_sdk.objectives import token_logprobs
 
 __all__ = ["PrefixPlan", "plan_shared_prefixes", "shared_prefix_logprobs"]
@@ -96,22 +97,35 @@ def plan_shared_prefixes(
 
 
 def shared_prefix_logprobs(
-    model: PreTrainedModel, plan: PrefixPlan, temperature: float, device: torch.device
+    model: PreTrainedModel,
+    plan: PrefixPlan,
+    temperature: float,
+    device: torch.device,
+    head: OutputHead | None = None,
 ) -> torch.Tensor:
-    """Per-token logprobs ``[rows, width]`` aligned with the planned batch (0 before each suffix)."""
+    """Per-token logprobs ``[rows, width]`` aligned with the planned batch (0 before each suffix).
+
+    With ``head``, from the decoder's hidden states and the chunked output layer
+    (:mod:`python_plugins.output_head`), else from the model's logits.
+    """
 
     def tensor(array: np.ndarray) -> torch.Tensor:
         return torch.as_tensor(array, device=device)
 
+    def run(**inputs: object) -> torch.Tensor:
+        if head is not None:
+            return head.hidden(**inputs)
+        return model(**inputs).logits
+
     prefix_mask = tensor(plan.prefix_mask)
     cache = DynamicCache(config=model.config)
-    prefix_logits = model(
+    prefix_out = run(
         input_ids=tensor(plan.prefix_ids),
         attention_mask=prefix_mask,
         position_ids=(prefix_mask.cumsum(-1) - 1).clamp_min(0),
         past_key_values=cache,
         use_cache=True,
-    ).logits
+    )
     row_prefix = tensor(plan.row_prefix)
     # `index_select`, not `batch_select_indices`' advanced indexing: its backward is an
     # `index_add_`, several times faster on CPU than an accumulating `index_put_`.
@@ -119,18 +133,28 @@ def shared_prefix_logprobs(
         layer.keys = layer.keys.index_select(0, row_prefix)
         layer.values = layer.values.index_select(0, row_prefix)
     suffix_ids = tensor(plan.suffix_ids)
-    suffix_logits = model(
+    suffix_mask = tensor(plan.suffix_mask)
+    suffix_out = run(
         input_ids=suffix_ids,
-        attention_mask=torch.cat([prefix_mask[row_prefix], tensor(plan.suffix_mask)], dim=1),
+        attention_mask=torch.cat([prefix_mask[row_prefix], suffix_mask], dim=1),
         position_ids=tensor(plan.suffix_positions),
         past_key_values=cache,
         use_cache=True,
-    ).logits
-    # The prefix's last position predicts the suffix's first token; each suffix position the next.
-    logits = torch.cat([prefix_logits[row_prefix, -1:], suffix_logits], dim=1)
-    suffix_logprobs = token_logprobs(logits, torch.cat([suffix_ids[:, :1], suffix_ids], dim=1), temperature)
-    suffix_logprobs = suffix_logprobs[:, 1:] * tensor(plan.suffix_mask)
+    )
     rows, suffix_width = plan.suffix_ids.shape
-    result = suffix_logprobs.new_zeros((rows, plan.width + suffix_width))
     columns = tensor(plan.suffix_start)[:, None] + torch.arange(suffix_width, device=device)[None, :]
+    if head is not None:
+        # Suffix token `j` follows the prefix's last hidden state (j = 0) or the suffix's `j - 1`.
+        hidden = torch.cat([prefix_out[row_prefix, -1:], suffix_out[:, :-1]], dim=1)
+        predicted = suffix_mask != 0
+        flat_index = torch.arange(rows * suffix_width, device=device).view(rows, suffix_width)
+        suffix_logprobs = predicted_logprobs(
+            head, hidden, flat_index[predicted], suffix_ids[predicted], predicted, temperature
+        )
+    else:
+        # The prefix's last position predicts the suffix's first token; each suffix position the next.
+        logits = torch.cat([prefix_out[row_prefix, -1:], suffix_out], dim=1)
+        targets = torch.cat([suffix_ids[:, :1], suffix_ids], dim=1)
+        suffix_logprobs = token_logprobs(logits, targets, temperature)[:, 1:] * suffix_mask
+    result = suffix_logprobs.new_zeros((rows, plan.width + suffix_width))
     return result.scatter(1, columns, suffix_logprobs)[:, : plan.width]

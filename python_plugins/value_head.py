@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from python_plugins.checkpoint_io import host_tensor, load_optimizer, optimizer_files
+from python_plugins.output_head import OutputHead, predicted_logprobs, predicted_tokens
 from rollout_sdk.objectives import token_logprobs
 from rollout_sdk.snapshot import TensorFile
 
@@ -103,10 +104,25 @@ class ValueHead:
 
 
 def logprobs_and_hidden(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float,
+    head: OutputHead | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token logprobs (as ``token_logprobs``) and the last layer's hidden states."""
+    """Per-token logprobs (as ``token_logprobs``) and the last layer's hidden states.
+
+    With ``head``, the logprobs come from the chunked output layer (0 at padding) instead of the
+    model's logits (:mod:`python_plugins.output_head`).
+    """
     positions = (attention_mask.cumsum(-1) - 1).clamp_min(0)
+    if head is not None:
+        hidden = head.hidden(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False
+        )
+        predicted, source = predicted_tokens(attention_mask)
+        logprobs = predicted_logprobs(head, hidden, source, input_ids[predicted], predicted, temperature)
+        return logprobs, hidden
     output = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
