@@ -37,6 +37,7 @@ from python_plugins.sampling import select_tokens
 from python_plugins.sharded_checkpoint import is_sharded_checkpoint, load_state, state_files
 from python_plugins.sharding import check_shardable, gathered_on_rank0, shard_model
 from python_plugins.shared_prefix import plan_shared_prefixes, shared_prefix_logprobs
+from python_plugins.suffix_packing import packs_suffixes
 from python_plugins.value_head import ValueHead, logprobs_and_hidden
 from rollout_sdk import (
     EngineStep,
@@ -340,7 +341,13 @@ class HFCausalLM(Policy):
             and not needs_values(objective)
             and self.sharding is None
         )
-        plan = plan_shared_prefixes(batch.input_ids, batch.attention_mask, batch.loss_mask) if share else None
+        plan = (
+            plan_shared_prefixes(
+                batch.input_ids, batch.attention_mask, batch.loss_mask, packs_suffixes(self.model.config)
+            )
+            if share
+            else None
+        )
         # Otherwise the rows may run packed, without their padding (python_plugins/packing.py).
         packing = plan_right_padded(batch.attention_mask) if plan is None and self.sharding is None else None
 

@@ -64,12 +64,14 @@ def _tail_positions(tail: torch.Tensor, capacity: int) -> torch.Tensor:
     return (torch.arange(capacity, device=tail.device)[None, :] - first).clamp_min(0).view(-1)
 
 
-def plan_packing(lengths: Sequence[int], width: int, min_saving: float = MIN_SAVING) -> Packing | None:
-    """First-fit decreasing into bins of the longest row's length; ``None`` unless it saves
-    at least ``min_saving`` of the ``rows * width`` positions."""
+def plan_packing(
+    lengths: Sequence[int], width: int, min_saving: float = MIN_SAVING, capacity: int | None = None
+) -> Packing | None:
+    """First-fit decreasing into bins of ``capacity`` (default: the longest row's length);
+    ``None`` unless it saves at least ``min_saving`` of the ``rows * width`` positions."""
     if not lengths or min(lengths) < 1:
         return None
-    capacity = max(lengths)
+    capacity = max(lengths) if capacity is None else max(capacity, max(lengths))
     free: list[int] = []
     row_bin = [0] * len(lengths)
     row_offset = [0] * len(lengths)

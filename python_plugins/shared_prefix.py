@@ -17,6 +17,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from python_plugins.output_head import OutputHead, predicted_logprobs
+from python_plugins.suffix_packing import SuffixBins, packed_suffix_mask, plan_suffix_bins
 from rollout_sdk.objectives import token_logprobs
 
 __all__ = ["PrefixPlan", "plan_shared_prefixes", "shared_prefix_logprobs"]
@@ -32,7 +33,8 @@ class PrefixPlan:
 
     A row's prefix is every token before its first loss-masked token; rows with identical
     prefixes share one. Prefixes are left-padded to ``[prefixes, prefix_width]`` so that every
-    prefix ends in the last column; suffixes are right-padded to ``[rows, suffix_width]``.
+    prefix ends in the last column; suffixes are right-padded to ``[rows, suffix_width]``, and
+    with ``bins`` run several to a row (:mod:`python_plugins.suffix_packing`).
     """
 
     prefix_ids: np.ndarray
@@ -43,17 +45,22 @@ class PrefixPlan:
     suffix_positions: np.ndarray
     suffix_start: np.ndarray
     width: int
+    bins: SuffixBins | None = None
 
     @property
     def positions(self) -> int:
         """Token positions the two passes compute."""
-        return self.prefix_ids.size + self.suffix_ids.size
+        suffixes = self.suffix_ids.size if self.bins is None else self.bins.bins * self.bins.capacity
+        return self.prefix_ids.size + suffixes
 
 
 def plan_shared_prefixes(
-    input_ids: np.ndarray, attention_mask: np.ndarray, loss_mask: np.ndarray
+    input_ids: np.ndarray, attention_mask: np.ndarray, loss_mask: np.ndarray, pack_suffixes: bool = False
 ) -> PrefixPlan | None:
-    """The plan for a batch, or ``None`` when sharing saves less than :data:`MIN_SAVING`."""
+    """The plan for a batch, or ``None`` when sharing saves less than :data:`MIN_SAVING`.
+
+    ``pack_suffixes`` if the model takes a custom 4D mask (:func:`suffix_packing.packs_suffixes`).
+    """
     rows, width = input_ids.shape
     lengths = attention_mask.sum(axis=1).astype(np.int64)
     trained = loss_mask > 0
@@ -72,7 +79,9 @@ def plan_shared_prefixes(
     prefix_width = int(prefix_lengths.max())
     suffix_lengths = lengths - starts
     suffix_width = int(suffix_lengths.max())
-    if len(keys) * prefix_width + rows * suffix_width > (1.0 - MIN_SAVING) * rows * width:
+    bins = plan_suffix_bins(row_prefix, suffix_lengths) if pack_suffixes else None
+    suffix_positions = rows * suffix_width if bins is None else bins.bins * bins.capacity
+    if len(keys) * prefix_width + suffix_positions > (1.0 - MIN_SAVING) * rows * width:
         return None
 
     prefix_ids = np.zeros((len(keys), prefix_width), dtype=np.int64)
@@ -93,6 +102,7 @@ def plan_shared_prefixes(
         suffix_positions=starts[:, None] + columns[None, :],
         suffix_start=starts,
         width=width,
+        bins=bins,
     )
 
 
@@ -127,21 +137,34 @@ def shared_prefix_logprobs(
         use_cache=True,
     )
     row_prefix = tensor(plan.row_prefix)
+    suffix_ids = tensor(plan.suffix_ids)
+    suffix_mask = tensor(plan.suffix_mask)
+    rows, suffix_width = plan.suffix_ids.shape
+    bins = plan.bins
+    if bins is None:
+        cache_rows = row_prefix
+        suffix_inputs = {
+            "input_ids": suffix_ids,
+            "attention_mask": torch.cat([prefix_mask[row_prefix], suffix_mask], dim=1),
+            "position_ids": tensor(plan.suffix_positions),
+        }
+    else:
+        lengths = plan.suffix_mask.sum(axis=1)
+        cache_rows = tensor(bins.bin_prefix)
+        suffix_inputs = {
+            "input_ids": tensor(bins.packed(plan.suffix_ids, lengths)),
+            "attention_mask": packed_suffix_mask(tensor(bins.segments(lengths)), prefix_mask[cache_rows]),
+            "position_ids": tensor(bins.packed(plan.suffix_positions, lengths)),
+        }
     # `index_select`, not `batch_select_indices`' advanced indexing: its backward is an
     # `index_add_`, several times faster on CPU than an accumulating `index_put_`.
     for layer in cache.layers:
-        layer.keys = layer.keys.index_select(0, row_prefix)
-        layer.values = layer.values.index_select(0, row_prefix)
-    suffix_ids = tensor(plan.suffix_ids)
-    suffix_mask = tensor(plan.suffix_mask)
-    suffix_out = run(
-        input_ids=suffix_ids,
-        attention_mask=torch.cat([prefix_mask[row_prefix], suffix_mask], dim=1),
-        position_ids=tensor(plan.suffix_positions),
-        past_key_values=cache,
-        use_cache=True,
-    )
-    rows, suffix_width = plan.suffix_ids.shape
+        layer.keys = layer.keys.index_select(0, cache_rows)
+        layer.values = layer.values.index_select(0, cache_rows)
+    suffix_out = run(**suffix_inputs, past_key_values=cache, use_cache=True)
+    if bins is not None:
+        source = tensor(bins.source(lengths, suffix_width)).view(-1)
+        suffix_out = suffix_out.flatten(0, 1).index_select(0, source).view(rows, suffix_width, -1)
     columns = tensor(plan.suffix_start)[:, None] + torch.arange(suffix_width, device=device)[None, :]
     if head is not None:
         # Suffix token `j` follows the prefix's last hidden state (j = 0) or the suffix's `j - 1`.

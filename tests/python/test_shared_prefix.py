@@ -8,6 +8,7 @@ import torch
 from policy_helpers import make_policy, right_padded
 
 from python_plugins.shared_prefix import plan_shared_prefixes, shared_prefix_logprobs
+from python_plugins.suffix_packing import packed_suffix_mask, packs_suffixes
 from rollout_sdk import GrpoObjective, TrainBatch
 
 CPU = torch.device("cpu")
@@ -50,6 +51,39 @@ def test_the_plan_shares_identical_prompts_and_keeps_every_token() -> None:
     assert plan.suffix_ids.tolist() == [[11, 0, 0], [12, 13, 14], [15, 16, 0], [17, 0, 0]]
     assert plan.suffix_positions[:, 0].tolist() == [3, 3, 5, 5]
     assert plan.positions < ids.size
+    assert plan.bins is None
+
+
+def test_suffixes_of_one_prefix_share_rows_as_long_as_the_longest() -> None:
+    prompts = [[1, 5, 6], [1, 7, 8, 9, 10]]
+    completions = [[[11], [12, 13, 14]], [[15, 16], [17]]]
+    ids, attention, loss = group_batch(prompts, completions)
+    plan = plan_shared_prefixes(ids, attention, loss, pack_suffixes=True)
+    assert plan is not None and plan.bins is not None
+    bins = plan.bins
+    # The 3-token suffix fills a row; the 1-token one of the same prompt gets its own; the
+    # second prompt's two fit in one.
+    assert (bins.capacity, bins.bin_prefix.tolist()) == (3, [0, 0, 1])
+    assert (bins.row_bin.tolist(), bins.row_offset.tolist()) == ([1, 0, 2, 2], [0, 0, 0, 2])
+    lengths = plan.suffix_mask.sum(axis=1)
+    assert bins.packed(plan.suffix_ids, lengths).tolist() == [[12, 13, 14], [11, 0, 0], [15, 16, 17]]
+    assert bins.segments(lengths).tolist() == [[1, 1, 1], [0, -1, -1], [2, 2, 3]]
+    assert plan.positions == 2 * 5 + 3 * 3
+    mask = packed_suffix_mask(
+        torch.as_tensor(bins.segments(lengths)), torch.as_tensor(plan.prefix_mask)[[0, 0, 1]]
+    )
+    # Row 3's token (bin 2, column 2) sees the second prompt and itself, not row 2's suffix.
+    assert mask[2, 0, 2].tolist() == [True] * 5 + [False, False, True]
+    # Row 2's second token sees the prompt and its first token; padding sees only itself.
+    assert mask[2, 0, 1].tolist() == [True] * 5 + [True, True, False]
+    assert mask[1, 0, 1].tolist() == [False] * 5 + [False, True, False]
+    assert mask[0, 0, 0].tolist() == [False, False] + [True] * 3 + [True, False, False]
+
+
+def test_suffixes_are_not_packed_when_that_saves_little() -> None:
+    ids, attention, loss = group_batch([[1, 5, 6, 7, 8, 9]], [[[11, 12], [13, 14], [15]]])
+    plan = plan_shared_prefixes(ids, attention, loss, pack_suffixes=True)
+    assert plan is not None and plan.bins is None
 
 
 def test_no_plan_when_nothing_is_shared() -> None:
@@ -64,16 +98,21 @@ def test_no_plan_for_a_row_without_trained_tokens() -> None:
     assert plan_shared_prefixes(ids, attention, loss) is None
 
 
+@pytest.mark.parametrize("pack", [False, True])
 @pytest.mark.parametrize("model", ["tiny_model_dir", "tiny_gpt2_dir", "tiny_gqa_dir"])
-def test_logprobs_and_gradients_match_the_plain_pass(model: str, request: pytest.FixtureRequest) -> None:
+def test_logprobs_and_gradients_match_the_plain_pass(
+    model: str, pack: bool, request: pytest.FixtureRequest
+) -> None:
     policy = make_policy(request.getfixturevalue(model))
     prompts, completions = random_groups(1)
     ids, attention, loss = group_batch(prompts, completions)
     # A multi-turn row: an environment's tokens (not trained) between two generated spans.
     start = len(prompts[0])
     loss[1, start + 2 : start + 4] = 0
-    plan = plan_shared_prefixes(ids, attention, loss)
+    pack_suffixes = pack and packs_suffixes(policy.model.config)
+    plan = plan_shared_prefixes(ids, attention, loss, pack_suffixes=pack_suffixes)
     assert plan is not None
+    assert (plan.bins is not None) == pack_suffixes
     mask = torch.as_tensor(loss)
 
     def logprobs_and_grads(shared: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
