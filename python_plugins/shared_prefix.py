@@ -11,12 +11,14 @@ selected cache into the prompt pass.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from python_plugins.output_head import OutputHead, predicted_logprobs
+from python_plugins.prefix_rows import PrefixRows, plan_prefix_rows, prefix_rows_mask
 from python_plugins.suffix_packing import SuffixBins, packed_suffix_mask, plan_suffix_bins
 from rollout_sdk.objectives import token_logprobs
 
@@ -46,10 +48,13 @@ class PrefixPlan:
     suffix_start: np.ndarray
     width: int
     bins: SuffixBins | None = None
+    one_pass: PrefixRows | None = None
 
     @property
     def positions(self) -> int:
         """Token positions the two passes compute."""
+        if self.one_pass is not None:
+            return self.one_pass.size
         suffixes = self.suffix_ids.size if self.bins is None else self.bins.bins * self.bins.capacity
         return self.prefix_ids.size + suffixes
 
@@ -93,6 +98,11 @@ def plan_shared_prefixes(
     suffix_mask = (columns[None, :] < suffix_lengths[:, None]).astype(np.int64)
     source = np.minimum(starts[:, None] + columns[None, :], width - 1)
     suffix_ids = np.where(suffix_mask > 0, np.take_along_axis(input_ids, source, axis=1), 0)
+    one_pass = None
+    if pack_suffixes:
+        two_passes = len(keys) * prefix_width + suffix_positions
+        one_pass = plan_prefix_rows(prefix_ids, prefix_mask, row_prefix, suffix_ids, suffix_mask, two_passes)
+        bins = bins if one_pass is None else None
     return PrefixPlan(
         prefix_ids=prefix_ids,
         prefix_mask=prefix_mask,
@@ -103,7 +113,12 @@ def plan_shared_prefixes(
         suffix_start=starts,
         width=width,
         bins=bins,
+        one_pass=one_pass,
     )
+
+
+Runner = Callable[..., torch.Tensor]
+Tensor = Callable[[np.ndarray], torch.Tensor]
 
 
 def shared_prefix_logprobs(
@@ -127,6 +142,49 @@ def shared_prefix_logprobs(
             return head.hidden(**inputs)
         return model(**inputs).logits
 
+    if plan.one_pass is not None:
+        suffix_logprobs = _one_pass(run, head, plan, temperature, tensor)
+    else:
+        suffix_logprobs = _two_passes(model, run, head, plan, temperature, tensor)
+    rows, suffix_width = plan.suffix_ids.shape
+    columns = tensor(plan.suffix_start)[:, None] + torch.arange(suffix_width, device=device)[None, :]
+    result = suffix_logprobs.new_zeros((rows, plan.width + suffix_width))
+    return result.scatter(1, columns, suffix_logprobs)[:, : plan.width]
+
+
+def _one_pass(
+    run: Runner, head: OutputHead | None, plan: PrefixPlan, temperature: float, tensor: Tensor
+) -> torch.Tensor:
+    """``[rows, suffix_width]`` suffix logprobs from a row per prefix (:mod:`.prefix_rows`)."""
+    layout = plan.one_pass
+    assert layout is not None
+    out = run(
+        input_ids=tensor(layout.ids),
+        attention_mask=prefix_rows_mask(tensor(layout.segments)),
+        position_ids=tensor(layout.positions),
+        use_cache=False,
+    )
+    predicted = tensor(plan.suffix_mask) != 0
+    targets = tensor(plan.suffix_ids)[predicted]
+    source = tensor(layout.source)
+    if head is not None:
+        return predicted_logprobs(head, out, source, targets, predicted, temperature)
+    logits = out.flatten(0, 1).index_select(0, source).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    picked = logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    return picked.new_zeros(predicted.shape).masked_scatter(predicted, picked)
+
+
+def _two_passes(
+    model: PreTrainedModel,
+    run: Runner,
+    head: OutputHead | None,
+    plan: PrefixPlan,
+    temperature: float,
+    tensor: Tensor,
+) -> torch.Tensor:
+    """``[rows, suffix_width]`` suffix logprobs from the prefix pass, then the suffix pass."""
     prefix_mask = tensor(plan.prefix_mask)
     cache = DynamicCache(config=model.config)
     prefix_out = run(
@@ -165,19 +223,15 @@ def shared_prefix_logprobs(
     if bins is not None:
         source = tensor(bins.source(lengths, suffix_width)).view(-1)
         suffix_out = suffix_out.flatten(0, 1).index_select(0, source).view(rows, suffix_width, -1)
-    columns = tensor(plan.suffix_start)[:, None] + torch.arange(suffix_width, device=device)[None, :]
     if head is not None:
         # Suffix token `j` follows the prefix's last hidden state (j = 0) or the suffix's `j - 1`.
         hidden = torch.cat([prefix_out[row_prefix, -1:], suffix_out[:, :-1]], dim=1)
         predicted = suffix_mask != 0
-        flat_index = torch.arange(rows * suffix_width, device=device).view(rows, suffix_width)
-        suffix_logprobs = predicted_logprobs(
+        flat_index = torch.arange(rows * suffix_width, device=suffix_ids.device).view(rows, suffix_width)
+        return predicted_logprobs(
             head, hidden, flat_index[predicted], suffix_ids[predicted], predicted, temperature
         )
-    else:
-        # The prefix's last position predicts the suffix's first token; each suffix position the next.
-        logits = torch.cat([prefix_out[row_prefix, -1:], suffix_out], dim=1)
-        targets = torch.cat([suffix_ids[:, :1], suffix_ids], dim=1)
-        suffix_logprobs = token_logprobs(logits, targets, temperature)[:, 1:] * suffix_mask
-    result = suffix_logprobs.new_zeros((rows, plan.width + suffix_width))
-    return result.scatter(1, columns, suffix_logprobs)[:, : plan.width]
+    # The prefix's last position predicts the suffix's first token; each suffix position the next.
+    logits = torch.cat([prefix_out[row_prefix, -1:], suffix_out], dim=1)
+    targets = torch.cat([suffix_ids[:, :1], suffix_ids], dim=1)
+    return token_logprobs(logits, targets, temperature)[:, 1:] * suffix_mask

@@ -7,6 +7,8 @@ import pytest
 import torch
 from policy_helpers import make_policy, right_padded
 
+from python_plugins import prefix_rows
+from python_plugins.prefix_rows import prefix_rows_mask
 from python_plugins.shared_prefix import plan_shared_prefixes, shared_prefix_logprobs
 from python_plugins.suffix_packing import packed_suffix_mask, packs_suffixes
 from rollout_sdk import GrpoObjective, TrainBatch
@@ -54,10 +56,11 @@ def test_the_plan_shares_identical_prompts_and_keeps_every_token() -> None:
     assert plan.bins is None
 
 
-def test_suffixes_of_one_prefix_share_rows_as_long_as_the_longest() -> None:
+def test_suffixes_of_one_prefix_share_rows_as_long_as_the_longest(monkeypatch: pytest.MonkeyPatch) -> None:
     prompts = [[1, 5, 6], [1, 7, 8, 9, 10]]
     completions = [[[11], [12, 13, 14]], [[15, 16], [17]]]
     ids, attention, loss = group_batch(prompts, completions)
+    monkeypatch.setattr(prefix_rows, "MAX_WIDTH", 0)  # two passes
     plan = plan_shared_prefixes(ids, attention, loss, pack_suffixes=True)
     assert plan is not None and plan.bins is not None
     bins = plan.bins
@@ -68,7 +71,7 @@ def test_suffixes_of_one_prefix_share_rows_as_long_as_the_longest() -> None:
     lengths = plan.suffix_mask.sum(axis=1)
     assert bins.packed(plan.suffix_ids, lengths).tolist() == [[12, 13, 14], [11, 0, 0], [15, 16, 17]]
     assert bins.segments(lengths).tolist() == [[1, 1, 1], [0, -1, -1], [2, 2, 3]]
-    assert plan.positions == 2 * 5 + 3 * 3
+    assert plan.one_pass is None and plan.positions == 2 * 5 + 3 * 3
     mask = packed_suffix_mask(
         torch.as_tensor(bins.segments(lengths)), torch.as_tensor(plan.prefix_mask)[[0, 0, 1]]
     )
@@ -78,6 +81,36 @@ def test_suffixes_of_one_prefix_share_rows_as_long_as_the_longest() -> None:
     assert mask[2, 0, 1].tolist() == [True] * 5 + [True, True, False]
     assert mask[1, 0, 1].tolist() == [False] * 5 + [False, True, False]
     assert mask[0, 0, 0].tolist() == [False, False] + [True] * 3 + [True, False, False]
+
+
+def test_one_pass_puts_each_prompt_and_its_completions_in_a_row() -> None:
+    prompts = [[1, 5, 6], [1, 7, 8, 9, 10]]
+    completions = [[[11], [12, 13, 14]], [[15, 16], [17]]]
+    ids, attention, loss = group_batch(prompts, completions)
+    plan = plan_shared_prefixes(ids, attention, loss, pack_suffixes=True)
+    assert plan is not None and plan.one_pass is not None and plan.bins is None
+    assert plan.positions == 2 * 8
+    rows = plan.one_pass
+    assert rows.ids.tolist() == [[1, 5, 6, 11, 12, 13, 14, 0], [1, 7, 8, 9, 10, 15, 16, 17]]
+    # Every completion's positions continue its prompt.
+    assert rows.positions.tolist() == [[0, 1, 2, 3, 3, 4, 5, 0], [0, 1, 2, 3, 4, 5, 6, 5]]
+    assert rows.segments.tolist() == [[-1, -1, -1, 0, 1, 1, 1, -2], [-1] * 5 + [2, 2, 3]]
+    # 11 and 12 follow the first prompt's last token; 17 the second's, not 16.
+    assert rows.source.tolist() == [2, 2, 4, 5, 12, 13, 12]
+    mask = prefix_rows_mask(torch.as_tensor(rows.segments))[:, 0]
+    assert mask[1, 7].tolist() == [True] * 5 + [False, False, True]
+    assert mask[1, 6].tolist() == [True] * 7 + [False]
+    assert mask[0, 2].tolist() == [True] * 3 + [False] * 5
+    assert mask[0, 7].tolist() == [False] * 7 + [True]
+
+
+def test_one_pass_is_left_for_rows_too_wide(monkeypatch: pytest.MonkeyPatch) -> None:
+    ids, attention, loss = group_batch(
+        [[1, 5, 6], [1, 7, 8, 9, 10]], [[[11], [12, 13, 14]], [[15, 16], [17]]]
+    )
+    monkeypatch.setattr(prefix_rows, "MAX_WIDTH", 7)
+    plan = plan_shared_prefixes(ids, attention, loss, pack_suffixes=True)
+    assert plan is not None and plan.one_pass is None and plan.bins is not None
 
 
 def test_suffixes_are_not_packed_when_that_saves_little() -> None:
@@ -98,11 +131,14 @@ def test_no_plan_for_a_row_without_trained_tokens() -> None:
     assert plan_shared_prefixes(ids, attention, loss) is None
 
 
-@pytest.mark.parametrize("pack", [False, True])
+@pytest.mark.parametrize("layout", ["padded", "bins", "one pass"])
 @pytest.mark.parametrize("model", ["tiny_model_dir", "tiny_gpt2_dir", "tiny_gqa_dir"])
 def test_logprobs_and_gradients_match_the_plain_pass(
-    model: str, pack: bool, request: pytest.FixtureRequest
+    model: str, layout: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    if layout == "bins":
+        monkeypatch.setattr(prefix_rows, "MAX_WIDTH", 0)
+    pack = layout != "padded"
     policy = make_policy(request.getfixturevalue(model))
     prompts, completions = random_groups(1)
     ids, attention, loss = group_batch(prompts, completions)
@@ -112,7 +148,8 @@ def test_logprobs_and_gradients_match_the_plain_pass(
     pack_suffixes = pack and packs_suffixes(policy.model.config)
     plan = plan_shared_prefixes(ids, attention, loss, pack_suffixes=pack_suffixes)
     assert plan is not None
-    assert (plan.bins is not None) == pack_suffixes
+    assert (plan.bins is not None) == (pack_suffixes and layout == "bins")
+    assert (plan.one_pass is not None) == (pack_suffixes and layout == "one pass")
     mask = torch.as_tensor(loss)
 
     def logprobs_and_grads(shared: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
