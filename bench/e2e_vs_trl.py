@@ -197,6 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "throughput_ratio": row["headline"]["throughput_ratio"],
                 "memory_ratio": row["headline"]["memory_ratio"],
                 "compute_bound_fraction": row["headline"]["compute_bound_fraction"],
+                "train_compute_bound_fraction": row["headline"]["train_compute_bound_fraction"],
             }
             for size, row in fp32.items()
         },

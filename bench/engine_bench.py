@@ -31,6 +31,7 @@ from transformers.utils import logging as transformers_logging
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.e2e.flops import forward_gemm_seconds, matmul_shapes  # noqa: E402
 from python_plugins.quickstart import create_tiny_model  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "engine.json"
@@ -153,6 +154,29 @@ temperature = 1.0
     return stats
 
 
+def rows_per_step(records: list[dict], prompt_tokens: int) -> list[int]:
+    """Query tokens of each engine step on this workload: every prompt prefilled once in the
+    first step (its first token sampled there), then one decode per sample still short of its
+    budget."""
+    budgets = np.asarray([b for r in records for b in r["budgets"]])
+    return [prompt_tokens] + [int((budgets > k).sum()) for k in range(1, int(budgets.max()))]
+
+
+def compute_bound(config: dict, rows: list[int]) -> dict:
+    """The model's weight matmuls alone, measured on this machine in fp32 at each step's own
+    batch size (the bound for this workload), and the same FLOPs at the best rate of any batch
+    size (the bound if every step were large)."""
+    grid = sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, 768, *rows})
+    seconds_at = {r: forward_gemm_seconds(config, r) for r in grid}
+    flops_per_token = sum(2 * n_in * n_out for n_in, n_out in matmul_shapes(config))
+    peak_rate = max(flops_per_token * r / t for r, t in seconds_at.items())
+    return {
+        "gemm_bound_seconds": sum(seconds_at[r] for r in rows),
+        "peak_gemm_bound_seconds": flops_per_token * sum(rows) / peak_rate,
+        "gemm_gflops_by_rows": {r: flops_per_token * r / t / 1e9 for r, t in seconds_at.items()},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -190,21 +214,33 @@ def main() -> None:
         )
     parameters = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_dir).parameters())
     records = make_workload(np.random.default_rng(args.seed), args.prompts, args.group, args)
+    config = json.loads((model_dir / "config.json").read_text())
 
     runs = []
     for repeat in range(args.repeats):
         hf = hf_generate(model_dir, records, args.group, args.batch_prompts, args.seed + repeat)
         ours = rollout_generate(args.rollout, model_dir, records, args.group, args, work)
+        rows = rows_per_step(records, int(ours["engine/prompt_tokens_computed"]))
+        if len(rows) != ours["engine/steps"]:
+            print(f"note: {ours['engine/steps']} engine steps, the bound assumes {len(rows)}")
+        # Measured right after the engine's run, so that both see the machine in the same state.
+        bound = compute_bound(config, rows)
         runs.append(
             {
                 "hf_generate": hf,
                 "rollout": ours,
                 "speedup": ours["tokens_per_second"] / hf["tokens_per_second"],
+                "compute_bound": bound,
+                "compute_bound_fraction_per_query_token": bound["gemm_bound_seconds"]
+                / ours["engine/seconds"],
+                "compute_bound_fraction_at_peak_gemm": bound["peak_gemm_bound_seconds"]
+                / ours["engine/seconds"],
             }
         )
         print(
             f"repeat {repeat}: rollout {ours['tokens_per_second']:.0f} tok/s, "
-            f"hf generate {hf['tokens_per_second']:.0f} tok/s, x{runs[-1]['speedup']:.2f}",
+            f"hf generate {hf['tokens_per_second']:.0f} tok/s, x{runs[-1]['speedup']:.2f}, "
+            f"compute-bound fraction {runs[-1]['compute_bound_fraction_per_query_token']:.2f}",
             flush=True,
         )
     best = max(runs, key=lambda r: r["speedup"])
@@ -232,6 +268,14 @@ def main() -> None:
             np.median([r["hf_generate"]["tokens_per_second"] for r in runs])
         ),
         "speedup_vs_hf_generate": median_speedup,
+        "compute_bound_fraction_per_query_token": float(
+            np.median([r["compute_bound_fraction_per_query_token"] for r in runs])
+        ),
+        "compute_bound_fraction_at_peak_gemm": float(
+            np.median([r["compute_bound_fraction_at_peak_gemm"] for r in runs])
+        ),
+        "query_tokens_per_run": int(sum(rows)),
+        "steps_per_run": len(rows),
         "overhead_fraction": best["rollout"].get("engine/overhead_fraction"),
         "kv_utilisation": best["rollout"].get("engine/kv_utilisation_mean"),
         "kv_occupancy": best["rollout"].get("engine/kv_occupancy_mean"),
@@ -250,13 +294,14 @@ def main() -> None:
 
 def update_docs(summary: dict) -> None:
     rows = [
-        "| run | Rollout engine tok/s | HF generate tok/s | speed-up |",
-        "|---|---|---|---|",
+        "| run | Rollout engine tok/s | HF generate tok/s | speed-up | compute-bound fraction |",
+        "|---|---|---|---|---|",
     ]
     for i, run in enumerate(summary["runs"]):
         rows.append(
             f"| {i + 1} | {run['rollout']['tokens_per_second']:.0f} | "
-            f"{run['hf_generate']['tokens_per_second']:.0f} | {run['speedup']:.2f}x |"
+            f"{run['hf_generate']['tokens_per_second']:.0f} | {run['speedup']:.2f}x | "
+            f"{run['compute_bound_fraction_per_query_token']:.2f} |"
         )
     workload = summary["workload"]
     overhead = summary["overhead_fraction"]
@@ -280,6 +325,12 @@ def update_docs(summary: dict) -> None:
             f"forward pass: **{overhead:.1%}**; mean KV-cache utilisation: **{kv:.1%}**."
             if overhead is not None and kv is not None
             else f"Median speed-up **{summary['speedup_vs_hf_generate']:.2f}x**.",
+            "",
+            "Compute-bound fraction per query token (median over the runs): "
+            f"**{summary['compute_bound_fraction_per_query_token']:.2f}**: the model's weight matmuls "
+            f"alone, measured here in fp32 right after each run at each of its {summary['steps_per_run']} "
+            "steps' own batch size, over the engine's seconds. Against the best GEMM rate of any "
+            f"batch size: {summary['compute_bound_fraction_at_peak_gemm']:.2f}.",
             END,
         ]
     )

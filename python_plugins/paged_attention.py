@@ -89,6 +89,15 @@ class _QueryGroup:
     tokens: torch.Tensor  # [Tg]
     shape: tuple[int, int, int]  # (G, Qmax, L)
     windowed: dict[int, torch.Tensor] = field(default_factory=dict)
+    gathered: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def workspace(self, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The buffers every layer gathers its keys and values into, in turn: allocated once per
+        step, not per layer (a fresh allocation of this size costs page faults on the host)."""
+        if self.gathered is None:
+            shape = (len(self.context_slots), *cache.shape[2:])
+            self.gathered = (cache.new_empty(shape), cache.new_empty(shape))
+        return self.gathered
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
         if sliding_window is None:
@@ -233,10 +242,10 @@ def paged_attention_forward(
         grouped = queries.index_select(0, group.query_index)
         grouped = grouped.view(sequences, longest_query, heads, head_dim).transpose(1, 2)
         keys, values = (
-            part.index_select(0, group.context_slots)
+            torch.index_select(part, 0, group.context_slots, out=gathered)
             .view(sequences, longest_context, kv_heads, head_dim)
             .transpose(1, 2)
-            for part in (cache[0], cache[1])
+            for part, gathered in zip((cache[0], cache[1]), group.workspace(cache), strict=True)
         )
         attended = torch.nn.functional.scaled_dot_product_attention(
             grouped,

@@ -34,6 +34,14 @@ def forward_flops_per_token(config: Mapping[str, Any], context: float) -> float:
     return matrices + attention
 
 
+def training_flops(config: Mapping[str, Any], record: Mapping[str, float]) -> float:
+    """The training pass's share of :func:`step_model_flops`: forward + backward (3x) over
+    every sampled sequence."""
+    sequence_tokens = record["sequence_tokens"]
+    context = sequence_tokens / max(record["completions"], 1) / 2
+    return 3 * forward_flops_per_token(config, context) * sequence_tokens
+
+
 def step_model_flops(config: Mapping[str, Any], record: Mapping[str, float], kl: bool) -> float:
     """The FLOPs a GRPO step needs, counted the same way for both frameworks (as for MFU).
 
@@ -81,6 +89,22 @@ def machine_limits(config: Mapping[str, Any], rows: int, threads: int) -> dict[s
         # Bytes read plus bytes written per second.
         "copy_gbytes_per_second": 2 * source.numel() * 4 / copy_seconds / 1e9,
     }
+
+
+def forward_gemm_seconds(config: Mapping[str, Any], rows: int) -> float:
+    """Seconds one forward pass's weight matmuls alone take over ``rows`` tokens at once: every
+    matrix of the model, each with its own weights, in order (so that, as in a real forward
+    pass, weights that do not fit in the caches stream from memory), best of repeated runs."""
+    import torch
+
+    weights = [torch.randn(n_in, n_out) for n_in, n_out in matmul_shapes(config)]
+    inputs = {n_in: torch.randn(rows, n_in) for n_in in {w.shape[0] for w in weights}}
+
+    def forward() -> None:
+        for weight in weights:
+            torch.mm(inputs[weight.shape[0]], weight)
+
+    return _best_time(forward, min_seconds=0.3)
 
 
 def _best_time(function: Callable[[], Any], min_seconds: float) -> float:

@@ -61,6 +61,7 @@ def headline(pairs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "generated_tokens_per_second",
         "peak_rss_bytes",
         "compute_bound_fraction",
+        "train_compute_bound_fraction",
     ):
         result[key] = {fw: statistics.median(p[fw][key] for p in pairs) for fw in ("rollout", "trl")}
     for key in ("throughput_ratio", "memory_ratio", "generated_tokens_ratio"):
@@ -92,8 +93,8 @@ def markdown(results: Mapping[str, Any]) -> str:
             "",
             "| model | KL | completions/s Rollout | TRL | ratio | tokens/s ratio "
             "| peak RSS Rollout | TRL | ratio | ratio above torch "
-            "| compute-bound fraction Rollout | TRL |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| compute-bound fraction Rollout | TRL | training phase Rollout | TRL |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         floor = results["machine"]["import_torch_rss_bytes"]
         for row in table:
@@ -107,7 +108,9 @@ def markdown(results: Mapping[str, Any]) -> str:
                 f"| {_mib(rss['rollout'])} | {_mib(rss['trl'])} "
                 f"| **{h['memory_ratio']:.2f}x** ({_list(h['memory_ratio_per_repeat'])}) "
                 f"| {ratio(rss['rollout'] - floor, rss['trl'] - floor):.2f}x "
-                f"| {h['compute_bound_fraction']['rollout']:.2f} | {h['compute_bound_fraction']['trl']:.2f} |"
+                f"| {h['compute_bound_fraction']['rollout']:.2f} | {h['compute_bound_fraction']['trl']:.2f} "
+                f"| {h['train_compute_bound_fraction']['rollout']:.2f} "
+                f"| {h['train_compute_bound_fraction']['trl']:.2f} |"
             )
         lines += ["", "Seconds per step by phase, median (first repeat):", ""]
         lines += [

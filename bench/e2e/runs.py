@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.e2e import REPO
-from bench.e2e.flops import step_model_flops
+from bench.e2e.flops import step_model_flops, training_flops
 from bench.e2e.processes import run_measured
 
 PHASES = ("generate", "reward", "logprob", "train", "sync", "other")
@@ -262,6 +262,10 @@ def summarise(
         # Seconds the step's model FLOPs take at the measured GEMM rate, over the step's seconds.
         "compute_bound_fraction": median(
             f / (gemm_gflops * 1e9) / s["step_seconds"] for f, s in zip(flops, measured, strict=True)
+        ),
+        # The same for the training phase alone: its forward + backward FLOPs over its seconds.
+        "train_compute_bound_fraction": median(
+            training_flops(model_config, s) / (gemm_gflops * 1e9) / s["train_seconds"] for s in measured
         ),
         "reward_mean": statistics.fmean(s["reward_mean"] for s in steps),
     }

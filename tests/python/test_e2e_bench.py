@@ -77,6 +77,8 @@ def test_summary_takes_medians_after_the_warm_up() -> None:
     assert summary["generated_tokens_per_second"] == 8.0
     step_flops = flops.step_model_flops(CONFIG, steps[0], kl=False)
     assert summary["compute_bound_fraction"] == pytest.approx(step_flops / 1e9 / 2.0)
+    # Training is 3 of the 4 forward-pass equivalents without KL, over a sixth of the step.
+    assert summary["train_compute_bound_fraction"] == pytest.approx(step_flops * 0.75 / 1e9 / (2.0 / 6))
 
 
 def test_ratios_and_headline_use_rollout_over_trl() -> None:
@@ -87,6 +89,7 @@ def test_ratios_and_headline_use_rollout_over_trl() -> None:
             "peak_rss_bytes": rss,
             "step_seconds": 64 / cps,
             "compute_bound_fraction": cps / 1000,
+            "train_compute_bound_fraction": cps / 500,
             "phase_seconds": dict.fromkeys(runs.PHASES, 1.0),
         }
 
