@@ -340,16 +340,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if "sync" in parts:
         print("weight sync: the ~25M model", flush=True)
-        small_size = SIZES["small"]
         small = work / "small"
-        create_tiny_model(
-            small,
-            hidden_size=small_size.hidden_size,
-            num_layers=small_size.num_layers,
-            num_heads=small_size.num_heads,
-            intermediate_size=small_size.intermediate_size,
-            seed=0,
-        )
+        SIZES["small"].create(small, seed=0)
         transport = weight_sync_transport(work, small, repeats=3 if quick else 9)
         end_to_end = weight_sync_end_to_end(work, small, data, steps=3 if quick else 6)
         four = next(row for row in transport if row["workers"] == 4)

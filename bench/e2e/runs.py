@@ -27,6 +27,19 @@ class ModelSize:
     sft_steps: int
     sft_learning_rate: float
 
+    def create(self, path: Path, seed: int) -> None:
+        """A randomly initialised Llama of this size, saved (with the tokenizer) under ``path``."""
+        from python_plugins.quickstart import create_tiny_model
+
+        create_tiny_model(
+            path,
+            hidden_size=self.hidden_size,
+            num_layers=self.num_layers,
+            num_heads=self.num_heads,
+            intermediate_size=self.intermediate_size,
+            seed=seed,
+        )
+
 
 SIZES = {
     "tiny": ModelSize("tiny", 128, 4, 4, 512, sft_steps=600, sft_learning_rate=1e-3),
@@ -81,21 +94,12 @@ def policy_options(model: Path, workload: Workload, precision: str) -> dict[str,
 
 def warm_start(rollout: Path, work: Path, size: ModelSize, data: Path, workload: Workload) -> Path:
     """A randomly initialised model of ``size`` trained briefly with SFT; its checkpoint's model dir."""
-    from python_plugins.quickstart import create_tiny_model
-
     init = work / f"{size.name}-init"
     run_dir = work / f"{size.name}-warm-start"
     model = run_dir / "checkpoints" / "step-00000000" / "policy" / "model"
     if (model / "model.safetensors").exists():
         return model
-    create_tiny_model(
-        init,
-        hidden_size=size.hidden_size,
-        num_layers=size.num_layers,
-        num_heads=size.num_heads,
-        intermediate_size=size.intermediate_size,
-        seed=workload.seed,
-    )
+    size.create(init, seed=workload.seed)
     config = work / f"{size.name}-warm-start.toml"
     write_toml(
         config,
