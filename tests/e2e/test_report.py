@@ -97,7 +97,10 @@ def test_png_charts_beside_the_page_and_in_a_directory(tmp_path: Path, runs: lis
         colours = np.unique(pixels.reshape(-1, 3), axis=0)
         assert len(colours) > 50, f"{chart}: only {len(colours)} colours"
         white = (pixels.min(axis=2) > 250).mean()
-        assert 0.5 < white < 0.99, f"{chart}: {white:.1%} white"
+        # Not blank, not painted over; a phase chart's stacked areas fill as much of its plot
+        # as the run's phases do (one CI run measured 48.6% white).
+        least_white = 0.2 if chart.startswith("phases") else 0.5
+        assert least_white < white < 0.99, f"{chart}: {white:.1%} white"
         if chart in LINE_CHARTS:
             for colour in RUN_COLOURS:
                 near = (np.abs(pixels - np.array(colour)).max(axis=2) < 8).sum()
