@@ -5,7 +5,8 @@ Writes bench/results/distributed.json. Run `bench/distributed` (it sets up the e
 - Weight sync of the ~25M model (the `small` model of bench/e2e) to 1, 2 and 4 workers over
   loopback: the transport alone (examples/weight_sync.rs: trainer store -> relay chain of
   worker stores, against raw loopback TCP measured between the syncs), and end to end in a real
-  `rollout launch` (export from torch, buckets, relay, verify, import into torch).
+  `rollout launch` (export from torch, buckets, relay, verify, import into torch, overlapped
+  bucket by bucket).
 - Asynchronous (max_staleness 1) vs synchronous (0) completions/s with the same processes on a
   heavy-tailed completion-length workload, and the learning curves of both from one checkpoint.
 - Controller capacity with simulated generation workers (examples/controller_capacity.rs).
@@ -118,9 +119,11 @@ def weight_sync_transport(work: Path, small: Path, repeats: int) -> list[dict[st
 
 
 def span_seconds(trace: Path) -> dict[str, list[float]]:
-    """Seconds of each weight-sync span (export, pull, import) in a merged `--trace` file."""
+    """Seconds of each weight-sync span in a merged `--trace` file: the trainer's export (until
+    the version is reported) and fill (its buckets copied while workers pull them), each
+    worker's connect and pull, and its import (which takes buckets as the pull brings them)."""
     events = json.loads(trace.read_text())["traceEvents"]
-    names = {"weights.export", "weights.connect", "weights.pull", "weights.import"}
+    names = {"weights.export", "weights.fill", "weights.connect", "weights.pull", "weights.import"}
     begun: dict[tuple[Any, Any, str], float] = {}
     seconds: dict[str, list[float]] = {name: [] for name in names}
     for event in events:

@@ -7,7 +7,7 @@ import functools
 import inspect
 import time
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -53,6 +53,7 @@ from rollout_sdk import (
 )
 from rollout_sdk.objectives import needs_reference, needs_values, objective_loss
 from rollout_sdk.snapshot import TensorFile, write_snapshot
+from rollout_sdk.weights import StreamedWeights
 
 __all__ = ["HFCausalLM"]
 
@@ -487,20 +488,31 @@ class HFCausalLM(Policy):
 
     @torch.no_grad()
     def import_weights(self, weights: Mapping[str, np.ndarray]) -> None:
+        """Copies each tensor into its parameter. Weights that are still arriving (a weight
+        sync's ``StreamedWeights``) are taken as they come, and a float32 parameter on the CPU
+        then becomes a view of the received bytes instead of a copy of them (they never change,
+        and nothing on a generation worker writes its weights); weights at hand are checked
+        whole first, so a bad mapping changes nothing."""
         params = dict(self.trainable)
-        unknown = sorted(set(weights) - set(params))
-        if unknown:
-            raise ValueError(f"import_weights: the model has no parameter `{unknown[0]}`")
-        missing = sorted(set(params) - set(weights))
-        if missing:
-            raise ValueError(f"import_weights: parameter `{missing[0]}` is missing")
-        for name, value in weights.items():
-            _check_shape(name, tuple(value.shape), tuple(params[name].shape), "import_weights")
+        arriving = isinstance(weights, StreamedWeights)
+        if not arriving:
+            for name, value in weights.items():
+                _check_import(name, value, params)
+            _check_complete(weights.keys(), params)
+        imported = set()
         with warnings.catch_warnings():
             # The arrays are read-only views of the received bytes; they are only read here.
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             for name, value in weights.items():
-                params[name].copy_(torch.from_numpy(np.asarray(value)))
+                _check_import(name, value, params)
+                received = torch.from_numpy(np.asarray(value))
+                param = params[name]
+                if arriving and _can_alias(param, received):
+                    param.data = received
+                else:
+                    param.copy_(received)
+                imported.add(name)
+        _check_complete(imported, params)
 
     def snapshot(self) -> dict[str, bytes | TensorFile]:
         return self._checkpoint_files()
@@ -627,6 +639,27 @@ def _default_bos_prefix(tokenizer: Any) -> list[int]:
 
 def _first_not_none(*values: int | None) -> int:
     return next(int(v) for v in values if v is not None)
+
+
+def _check_import(name: str, value: np.ndarray, params: Mapping[str, torch.nn.Parameter]) -> None:
+    if name not in params:
+        raise ValueError(f"import_weights: the model has no parameter `{name}`")
+    _check_shape(name, tuple(value.shape), tuple(params[name].shape), "import_weights")
+
+
+def _can_alias(param: torch.nn.Parameter, received: torch.Tensor) -> bool:
+    return (
+        param.device.type == "cpu"
+        and param.dtype == received.dtype
+        and received.is_contiguous()
+        and received.data_ptr() % received.element_size() == 0
+    )
+
+
+def _check_complete(names: Iterable[str], params: Mapping[str, torch.nn.Parameter]) -> None:
+    missing = sorted(set(params) - set(names))
+    if missing:
+        raise ValueError(f"import_weights: parameter `{missing[0]}` is missing")
 
 
 def _check_shape(name: str, got: tuple[int, ...], expected: tuple[int, ...], where: str) -> None:

@@ -102,6 +102,9 @@ class Policy(Plugin):
         """Replace the current weights (names and shapes as ``export_weights`` returns).
 
         The arrays are read-only views of the bytes as they arrived (copy one to change it).
+        In a weight sync ``weights`` is a ``rollout_sdk.weights.StreamedWeights``: iterating
+        it yields each tensor as soon as it has arrived, so copying tensors in that loop
+        overlaps the copies with the transfer (checking the names first waits for all of them).
         """
         raise NotImplementedError
 

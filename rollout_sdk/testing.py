@@ -36,6 +36,7 @@ from rollout_sdk.types import (
     TokenBatch,
     TrainBatch,
 )
+from rollout_sdk.weights import StreamedWeights
 
 __all__ = [
     "PluginCheckError",
@@ -222,7 +223,8 @@ def check_policy(
         snapshot = None
     with tempfile.TemporaryDirectory() as directory:
         policy.save(directory)
-        policy.import_weights(before)
+        # As a weight sync hands them over: tensors that arrive while they are read.
+        policy.import_weights(StreamedWeights(iter(before.items())))
         restored = policy.export_weights()
         _require(
             all(np.array_equal(before[k], restored[k]) for k in before), "import_weights did not restore"

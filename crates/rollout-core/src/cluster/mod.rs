@@ -3,6 +3,7 @@
 //! ([`remote`]), and weight versions cut into checksummed buckets, served and relayed
 //! ([`weights`]). The processes on the other end live in the `rollout` binary.
 
+pub mod buckets;
 pub mod ledger;
 pub mod pool;
 pub mod remote;

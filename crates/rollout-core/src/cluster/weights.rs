@@ -15,20 +15,19 @@ use rollout_net::gate::Gate;
 use rollout_net::link::{Link, LinkLimits};
 use rollout_net::messages::{Hello, PullWeights, WeightsBucket, WeightsReport};
 use rollout_net::rpc::{Incoming, Responder, RpcClient};
-use rollout_net::tensor::{
-    Dtype, TENSOR_ALIGN, TensorBytes, TensorError, TensorMeta, TensorPayloadBuilder, TensorTable,
-    checksum,
-};
+use rollout_net::tensor::{TensorBytes, TensorMeta, checksum};
 use rollout_net::{ClusterKey, NetError};
 use tokio::net::TcpListener;
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
+
+use super::buckets::VersionBuilder;
 
 /// Folds bucket checksums, in order, into a version checksum.
 #[derive(Default)]
-struct VersionHasher(xxhash_rust::xxh3::Xxh3);
+pub(super) struct VersionHasher(xxhash_rust::xxh3::Xxh3);
 
 impl VersionHasher {
-    fn add(&mut self, bucket: &WeightsBucket) {
+    pub(super) fn add(&mut self, bucket: &WeightsBucket) {
         self.0.update(&bucket.index.to_le_bytes());
         self.0.update(bucket.checksum.as_bytes());
         // The table too: the same bytes under other names or shapes are other weights.
@@ -44,7 +43,7 @@ impl VersionHasher {
         }
     }
 
-    fn finish(self) -> String {
+    pub(super) fn finish(self) -> String {
         format!("{:032x}", self.0.digest128())
     }
 }
@@ -90,7 +89,7 @@ pub struct VersionBuffer {
 }
 
 impl VersionBuffer {
-    fn new(version: u64, count: u32) -> Self {
+    pub(super) fn new(version: u64, count: u32) -> Self {
         Self {
             version,
             count,
@@ -124,7 +123,7 @@ impl VersionBuffer {
             .collect()
     }
 
-    fn push(&self, bucket: Bucket) {
+    pub(super) fn push(&self, bucket: Bucket) {
         let arrived = match self.buckets.lock() {
             Ok(mut buckets) => {
                 buckets.push(bucket);
@@ -135,7 +134,7 @@ impl VersionBuffer {
         self.arrived.send_replace(arrived);
     }
 
-    fn bucket(&self, index: u32) -> Option<Bucket> {
+    pub(super) fn bucket(&self, index: u32) -> Option<Bucket> {
         self.buckets
             .lock()
             .ok()
@@ -152,40 +151,16 @@ impl VersionBuffer {
         }
     }
 
-    /// Every tensor with its bytes, once all buckets are in: a whole tensor is a slice of
-    /// its bucket (not copied); one that travelled in pieces is joined into one buffer.
+    /// Every tensor with its bytes, once all buckets are in (see [`TensorAssembler`]).
     pub fn tensors(&self) -> Result<Vec<TensorBytes>, WeightsError> {
         let buckets = self.buckets.lock().map(|b| b.clone()).unwrap_or_default();
+        let mut assembler = TensorAssembler::default();
         let mut tensors = Vec::new();
-        let mut joining: Option<Pieces> = None;
         for bucket in &buckets {
-            for meta in &bucket.header.tensors.tensors {
-                let start = meta.offset as usize;
-                let bytes = bucket.payload.slice(start..start + meta.len as usize);
-                if joining.is_none() && meta.piece_start.is_none() {
-                    tensors.push(TensorBytes::new(
-                        meta.name.clone(),
-                        meta.dtype,
-                        meta.shape.clone(),
-                        bytes,
-                    )?);
-                    continue;
-                }
-                let mut pieces = match joining.take() {
-                    Some(pieces) => pieces,
-                    None => Pieces::first(meta)?,
-                };
-                pieces.add(meta, bytes)?;
-                match pieces.joined()? {
-                    Some(tensor) => tensors.push(tensor),
-                    None => joining = Some(pieces),
-                }
-            }
+            tensors.extend(assembler.add(bucket)?);
         }
-        match joining {
-            Some(pieces) => Err(pieces.broken("its last piece never arrived")),
-            None => Ok(tensors),
-        }
+        assembler.finish()?;
+        Ok(tensors)
     }
 
     /// The version checksum (over the bucket checksums in order).
@@ -207,108 +182,49 @@ impl VersionBuffer {
     }
 }
 
-/// Cuts tensors into buckets of about `bucket_bytes` as a policy exports them: each tensor's
-/// bytes are copied once, straight into its bucket (checksummed as the bucket closes, while
-/// it is still in cache); a tensor larger than a bucket is split into bucket-sized pieces
-/// that the receiver joins again. Buckets are written into `allocations` left by an earlier
-/// version where there are any, so a trainer does not fault in fresh pages every sync.
-pub struct VersionBuilder {
-    version: u64,
-    bucket_bytes: usize,
-    current: TensorPayloadBuilder,
-    closed: Vec<(TensorTable, Bytes, String)>,
-    allocations: Vec<Vec<u8>>,
+/// Turns a version's buckets, in order, back into its tensors: a whole tensor is a slice of
+/// its bucket (not copied); one that travelled in pieces is joined into one buffer once its
+/// last piece is in.
+#[derive(Default)]
+pub struct TensorAssembler {
+    joining: Option<Pieces>,
 }
 
-impl VersionBuilder {
-    pub fn new(version: u64, bucket_bytes: u64, mut allocations: Vec<Vec<u8>>) -> Self {
-        let bucket_bytes = usize::try_from(bucket_bytes.max(1)).unwrap_or(usize::MAX);
-        let first = Self::allocation(&mut allocations, bucket_bytes);
-        Self {
-            version,
-            bucket_bytes,
-            current: TensorPayloadBuilder::reusing(first),
-            closed: Vec::new(),
-            allocations,
-        }
-    }
-
-    fn allocation(allocations: &mut Vec<Vec<u8>>, bucket_bytes: usize) -> Vec<u8> {
-        allocations.pop().unwrap_or_else(|| {
-            // Room for a full bucket and its alignment gaps; a huge configured size is not
-            // reserved up front.
-            Vec::with_capacity(bucket_bytes.saturating_add(TENSOR_ALIGN).min(1 << 30))
-        })
-    }
-
-    /// Appends one tensor (its little-endian, row-major bytes).
-    pub fn push(
-        &mut self,
-        name: &str,
-        dtype: Dtype,
-        shape: &[u64],
-        data: &[u8],
-    ) -> Result<(), WeightsError> {
-        let expected = dtype.byte_len(shape);
-        if expected != Some(data.len() as u64) {
-            return Err(TensorError::LengthMismatch {
-                name: name.to_owned(),
-                dtype,
-                shape: shape.to_vec(),
-                len: data.len() as u64,
-                expected: expected.unwrap_or(u64::MAX),
+impl TensorAssembler {
+    /// The tensors `bucket` completes.
+    pub fn add(&mut self, bucket: &Bucket) -> Result<Vec<TensorBytes>, WeightsError> {
+        let mut tensors = Vec::new();
+        for meta in &bucket.header.tensors.tensors {
+            let start = meta.offset as usize;
+            let bytes = bucket.payload.slice(start..start + meta.len as usize);
+            if self.joining.is_none() && meta.piece_start.is_none() {
+                tensors.push(TensorBytes::new(
+                    meta.name.clone(),
+                    meta.dtype,
+                    meta.shape.clone(),
+                    bytes,
+                )?);
+                continue;
             }
-            .into());
-        }
-        if data.len() > self.bucket_bytes {
-            if !self.current.is_empty() {
-                self.close_bucket();
+            let mut pieces = match self.joining.take() {
+                Some(pieces) => pieces,
+                None => Pieces::first(meta)?,
+            };
+            pieces.add(meta, bytes)?;
+            match pieces.joined()? {
+                Some(tensor) => tensors.push(tensor),
+                None => self.joining = Some(pieces),
             }
-            let piece = (self.bucket_bytes / TENSOR_ALIGN * TENSOR_ALIGN).max(TENSOR_ALIGN);
-            for (index, bytes) in data.chunks(piece).enumerate() {
-                let start = (index * piece) as u64;
-                self.current
-                    .push_piece(name.to_owned(), dtype, shape.to_vec(), start, bytes)?;
-                self.close_bucket();
-            }
-            return Ok(());
         }
-        if !self.current.is_empty() && self.current.payload_len() + data.len() > self.bucket_bytes {
-            self.close_bucket();
-        }
-        self.current
-            .push(name.to_owned(), dtype, shape.to_vec(), data)?;
-        Ok(())
+        Ok(tensors)
     }
 
-    fn close_bucket(&mut self) {
-        let next = Self::allocation(&mut self.allocations, self.bucket_bytes);
-        let full = std::mem::replace(&mut self.current, TensorPayloadBuilder::reusing(next));
-        let (table, payload) = full.finish();
-        let checksum = checksum(&payload);
-        self.closed.push((table, payload, checksum));
-    }
-
-    /// The version, in buckets numbered in order.
-    pub fn finish(mut self) -> VersionBuffer {
-        if !self.current.is_empty() || self.closed.is_empty() {
-            self.close_bucket();
+    /// Checks that no tensor was left waiting for pieces.
+    pub fn finish(self) -> Result<(), WeightsError> {
+        match self.joining {
+            Some(pieces) => Err(pieces.broken("its last piece never arrived")),
+            None => Ok(()),
         }
-        let count = self.closed.len() as u32;
-        let buffer = VersionBuffer::new(self.version, count);
-        for (index, (tensors, payload, checksum)) in self.closed.into_iter().enumerate() {
-            buffer.push(Bucket {
-                header: WeightsBucket {
-                    version: self.version,
-                    index: index as u32,
-                    count,
-                    checksum,
-                    tensors,
-                },
-                payload,
-            });
-        }
-        buffer
     }
 }
 
@@ -500,12 +416,14 @@ impl WeightStore {
     }
 
     /// Pulls `report.version` from `source`, verifying each bucket before storing it here
-    /// (where this process's own weight server relays it on at once), then the whole
-    /// version's checksum.
+    /// (where this process's own weight server relays it on at once) and handing it to
+    /// `arrivals` (an importer that loads buckets as they come), then the whole version's
+    /// checksum. `arrivals` closes when the pull ends, whether or not it succeeded.
     pub async fn pull(
         &self,
         source: &RpcClient,
         report: &WeightsReport,
+        arrivals: Option<mpsc::UnboundedSender<Bucket>>,
     ) -> Result<Arc<VersionBuffer>, WeightsError> {
         let source_name = source.describe().to_owned();
         let mut call = source.call(
@@ -555,7 +473,12 @@ impl WeightStore {
                 return Err(corrupt("the bucket count changed mid-version".into()));
             }
             version_hasher.add(&header);
-            target.push(Bucket { header, payload });
+            let bucket = Bucket { header, payload };
+            if let Some(arrivals) = &arrivals {
+                // An importer that gave up is no reason to stop relaying.
+                let _ = arrivals.send(bucket.clone());
+            }
+            target.push(bucket);
         }
         let buffer = buffer.ok_or_else(|| WeightsError::Corrupt {
             version: report.version,

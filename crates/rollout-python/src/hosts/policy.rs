@@ -2,24 +2,25 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use rollout_core::cluster::weights::{VersionBuffer, VersionBuilder};
+use rollout_core::cluster::buckets::ExportedVersion;
+use rollout_core::cluster::weights::Bucket;
 use rollout_core::config::{ClusterConfig, KeyPath, LoadedConfig, PluginConfig, TrainConfig};
 use rollout_core::roles::{Generator, Learner, RoleError, RoleFuture, SaveWritten, Tokenizer};
 use rollout_core::train::write_files;
-use rollout_net::TensorBytes;
 use rollout_net::messages::{
     GenerateRequest, GenerateResponse, TrainRequest, TrainResponse, ValuesRequest, ValuesResponse,
     WeightsReport,
 };
+use tokio::sync::mpsc::UnboundedReceiver;
 use tracing::Instrument;
 
 use super::{boxed, seed_once, traced};
 use crate::HostError;
-use crate::interpreter::PythonWorker;
+use crate::interpreter::{PythonError, PythonWorker};
 use crate::paged_generator::PagedGenerator;
-use crate::plugins::{PluginError, PolicyPlugin};
+use crate::plugins::PolicyPlugin;
 
 /// The policy plugin of a run, its sampling engine and the version of its weights.
 pub struct PolicyHost {
@@ -29,6 +30,8 @@ pub struct PolicyHost {
     engine: Option<PagedGenerator>,
     eos_token_ids: Vec<u32>,
     weight_version: Arc<AtomicU64>,
+    /// Whether an import of arriving weights began and the whole version is not yet served.
+    torn: AtomicBool,
 }
 
 impl PolicyHost {
@@ -69,6 +72,7 @@ impl PolicyHost {
             engine,
             eos_token_ids,
             weight_version: Arc::new(AtomicU64::new(0)),
+            torn: AtomicBool::new(false),
         })
     }
 
@@ -115,28 +119,31 @@ impl PolicyHost {
             .await??)
     }
 
-    /// The current weights as a version cut into buckets of about `bucket_bytes`, written
-    /// into `allocations` (an earlier version's, see [`VersionBuffer::into_allocations`])
-    /// where there are any.
+    /// The current weights as a version cut into buckets of about `bucket_bytes`, reported
+    /// once its checksum is known. To serve it, pass `serving`: an earlier version's bucket
+    /// allocations (see
+    /// [`rollout_core::cluster::weights::VersionBuffer::into_allocations`]) to fill its buckets into; the
+    /// returned buffer may still be filling, and the next job on the interpreter (a training
+    /// step) runs only once it is whole, so the weights it copies do not change meanwhile.
     pub async fn export_weights(
         &self,
         bucket_bytes: u64,
-        allocations: Vec<Vec<u8>>,
-    ) -> Result<VersionBuffer, RoleError> {
+        serving: Option<Vec<Vec<u8>>>,
+    ) -> Result<ExportedVersion, RoleError> {
         let policy = self.policy.clone();
         let version = self.weight_version();
-        let buffer = self
-            .worker
-            .run(move |py| {
-                let mut builder = VersionBuilder::new(version, bucket_bytes, allocations);
-                policy.export_weights(py, &mut |name, dtype, shape, bytes| {
-                    builder.push(name, dtype, shape, bytes)
-                })?;
-                Ok::<_, PluginError>(builder.finish())
-            })
-            .instrument(tracing::info_span!("weights.export", version))
-            .await??;
-        Ok(buffer)
+        let (report, reported) = tokio::sync::oneshot::channel();
+        let span = tracing::info_span!("weights.export", version);
+        self.worker.run_detached(move |py| {
+            policy.export_version(py, version, bucket_bytes, serving, |exported| {
+                let _ = report.send(exported);
+            });
+        })?;
+        let exported = reported
+            .instrument(span)
+            .await
+            .map_err(|_| PythonError::WorkerGone)??;
+        Ok(exported)
     }
 
     /// Frees the device memory generation holds (colocated with trainers), until
@@ -164,24 +171,28 @@ impl PolicyHost {
         Ok(())
     }
 
-    /// Replaces the weights with `tensors` as `version`. Runs as one job on the interpreter
-    /// thread, so it falls between two engine steps, never inside one.
-    pub async fn import_weights(
+    /// Imports the weight version whose verified buckets come on `arrivals`, each as it
+    /// arrives. Runs as one job on the interpreter thread, so it falls between two engine
+    /// steps, never inside one. From here until [`PolicyHost::serve_version`] the weights may
+    /// be part of one version, part of another, and generation refuses to run.
+    pub async fn import_arriving(
         &self,
-        version: u64,
-        tensors: Arc<Vec<TensorBytes>>,
+        arrivals: UnboundedReceiver<Bucket>,
     ) -> Result<(), RoleError> {
+        self.torn.store(true, Ordering::SeqCst);
         let policy = self.policy.clone();
-        let weight_version = self.weight_version.clone();
         self.worker
-            .run(move |py| {
-                policy.import_weights(py, &tensors)?;
-                weight_version.store(version, Ordering::SeqCst);
-                Ok::<_, PluginError>(())
-            })
-            .instrument(tracing::info_span!("weights.import", version))
+            .run(move |py| policy.import_arriving(py, arrivals))
+            .instrument(tracing::info_span!("weights.import"))
             .await??;
         Ok(())
+    }
+
+    /// The weights imported last are the whole of `version`, verified: generation may use
+    /// them.
+    pub fn serve_version(&self, version: u64) {
+        self.weight_version.store(version, Ordering::SeqCst);
+        self.torn.store(false, Ordering::SeqCst);
     }
 }
 
@@ -192,6 +203,13 @@ impl Generator for PolicyHost {
         let prompts = request.prompts.len();
         let span = move || tracing::info_span!("policy.generate", prompts, version);
         traced(span, async move {
+            if self.torn.load(Ordering::SeqCst) {
+                return Err(RoleError::Protocol(
+                    "this worker's weights are part of a version whose pull failed; it \
+                     generates again once a whole version is imported"
+                        .into(),
+                ));
+            }
             if let Some(engine) = &self.engine {
                 return engine
                     .generate(&self.worker, &policy, request, &self.eos_token_ids, version)
@@ -291,11 +309,11 @@ impl Learner for PolicyHost {
     /// copied for an in-process generator.
     fn publish_weights(&self, bucket_bytes: u64) -> RoleFuture<'_, WeightsReport> {
         traced(|| tracing::info_span!("policy.publish"), async move {
-            let buffer = self.export_weights(bucket_bytes, Vec::new()).await?;
+            let exported = self.export_weights(bucket_bytes, None).await?;
             Ok(WeightsReport {
-                version: buffer.version,
-                checksum: buffer.checksum(),
-                bytes: buffer.bytes(),
+                version: exported.version,
+                checksum: exported.checksum,
+                bytes: exported.bytes,
                 source: String::new(),
                 holder: "local".into(),
             })

@@ -74,6 +74,15 @@ impl PythonWorker {
         result.await.map_err(|_| PythonError::WorkerGone)
     }
 
+    /// Queues `job` on the Python thread without waiting for it (it reports what it has to
+    /// say itself, e.g. on a channel, possibly before it ends).
+    pub fn run_detached<F>(&self, job: F) -> Result<(), PythonError>
+    where
+        F: for<'py> FnOnce(Python<'py>) + Send + 'static,
+    {
+        self.submit(Box::new(job))
+    }
+
     /// Like [`PythonWorker::run`] for callers outside an async context.
     pub fn run_blocking<R, F>(&self, job: F) -> Result<R, PythonError>
     where

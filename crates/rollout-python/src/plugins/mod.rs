@@ -13,6 +13,7 @@ mod policy_weights;
 mod reward;
 mod sandboxed;
 mod snapshot;
+mod weight_import;
 
 use std::fmt;
 

@@ -2,20 +2,41 @@
 //! workers) and its data-parallel group (gradients all-reduced across trainer ranks).
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
-use bytes::Bytes;
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyModule};
+use pyo3::types::{PyDict, PyIterator, PyModule};
+use rollout_core::cluster::buckets::{ExportedVersion, PlannedVersion, VersionBuilder};
 use rollout_core::config::{ClusterConfig, Sharding as ShardingMode, TrainConfig};
-use rollout_net::{Dtype, TensorBytes};
+use rollout_net::Dtype;
 
 use super::PluginError;
 use super::policy::PolicyPlugin;
 use crate::contract::{Sharding, to_python};
 
-/// Takes one exported tensor: its name, dtype, shape and bytes.
-pub type TensorSink<'a, E> = dyn FnMut(&str, Dtype, &[u64], &[u8]) -> Result<(), E> + 'a;
+/// A policy's weights for export.
+enum Weights<'py> {
+    /// Every tensor at once (the policy returned a dict).
+    Held(Vec<WeightView<'py>>),
+    /// `(name, array)` pairs, one at a time.
+    Streamed(Bound<'py, PyIterator>),
+}
+
+/// One tensor's bytes, read in place from the array the policy returned.
+struct WeightView<'py> {
+    name: String,
+    dtype: Dtype,
+    shape: Vec<u64>,
+    array: PyReadonlyArray1<'py, u8>,
+}
+
+impl WeightView<'_> {
+    fn bytes(&self) -> &[u8] {
+        // Contiguous: checked when the view was taken (see `PolicyPlugin::weight_view`).
+        self.array.as_slice().unwrap_or_default()
+    }
+}
 
 impl PolicyPlugin {
     /// Joins the trainers' torch.distributed process group (`env://` rendezvous:
@@ -131,15 +152,102 @@ impl PolicyPlugin {
         self.float_metrics(hook, &metrics)
     }
 
-    /// Hands each tensor `weight_views` (or `export_weights`) lists, in order, to `sink` as
-    /// raw little-endian bytes read in place from the array the policy returned (nothing is
-    /// copied on the way; a sharded policy gathers each tensor as it is asked for).
-    pub fn export_weights<E: std::fmt::Display>(
+    /// Exports the weights as `version`, in buckets of about `bucket_bytes`, and `report`s
+    /// it as soon as its checksum is known. Serving it (`serving` holds an earlier version's
+    /// bucket allocations), the reported version comes with the buffer its buckets are then
+    /// filled into, bucket by bucket, so pullers start while the rest is copied; the job ends
+    /// once every bucket is in.
+    ///
+    /// A mapping from `weight_views` (or `export_weights`) is read in place twice: once to
+    /// checksum every bucket, once to copy the buckets of a served version. Pairs handed over
+    /// one at a time (a sharded policy gathers each as it is asked for) are copied into
+    /// buckets as they come, and the version is reported once all are in.
+    pub fn export_version(
         &self,
         py: Python<'_>,
-        sink: &mut TensorSink<'_, E>,
-    ) -> Result<(), PluginError> {
-        // `weight_views` (the SDK's default is `export_weights`) may lend views, not copies.
+        version: u64,
+        bucket_bytes: u64,
+        serving: Option<Vec<Vec<u8>>>,
+        report: impl FnOnce(Result<ExportedVersion, PluginError>),
+    ) {
+        let (hook, weights) = match self.weights(py) {
+            Ok(weights) => weights,
+            Err(err) => return report(Err(err)),
+        };
+        let held = match weights {
+            Weights::Held(held) => held,
+            Weights::Streamed(pairs) => {
+                return report(self.build_version(
+                    py,
+                    hook,
+                    pairs,
+                    (version, bucket_bytes),
+                    serving,
+                ));
+            }
+        };
+        let tensors = held.iter().map(|view| {
+            (
+                view.name.as_str(),
+                view.dtype,
+                view.shape.as_slice(),
+                view.bytes(),
+            )
+        });
+        let planned = match PlannedVersion::plan(version, bucket_bytes, tensors) {
+            Ok(planned) => planned,
+            Err(err) => return report(Err(self.plugin.bad_return(hook, err.to_string()))),
+        };
+        let exported = ExportedVersion {
+            version,
+            checksum: planned.checksum(),
+            bytes: planned.bytes(),
+            buffer: None,
+        };
+        let Some(allocations) = serving else {
+            return report(Ok(exported));
+        };
+        let buffer = Arc::new(planned.buffer());
+        report(Ok(ExportedVersion {
+            buffer: Some(buffer.clone()),
+            ..exported
+        }));
+        tracing::info_span!("weights.fill", version)
+            .in_scope(|| planned.fill(&buffer, allocations));
+    }
+
+    /// Copies tensors into buckets as `pairs` hands them over.
+    fn build_version(
+        &self,
+        py: Python<'_>,
+        hook: &'static str,
+        pairs: Bound<'_, PyIterator>,
+        (version, bucket_bytes): (u64, u64),
+        serving: Option<Vec<Vec<u8>>>,
+    ) -> Result<ExportedVersion, PluginError> {
+        let serves = serving.is_some();
+        let mut builder = VersionBuilder::new(version, bucket_bytes, serving.unwrap_or_default());
+        let numpy = py
+            .import("numpy")
+            .map_err(|err| self.plugin.raised(py, hook, &err))?;
+        for pair in pairs {
+            let view = self.weight_view(py, hook, &numpy, pair)?;
+            builder
+                .push(&view.name, view.dtype, &view.shape, view.bytes())
+                .map_err(|err| self.plugin.bad_return(hook, err.to_string()))?;
+        }
+        let buffer = builder.finish();
+        Ok(ExportedVersion {
+            version,
+            checksum: buffer.checksum(),
+            bytes: buffer.bytes(),
+            buffer: serves.then(|| Arc::new(buffer)),
+        })
+    }
+
+    /// Calls `weight_views` (the SDK's default is `export_weights`: views may be lent, not
+    /// copies): every tensor at once from a dict, else an iterator of pairs.
+    fn weights<'py>(&self, py: Python<'py>) -> Result<(&'static str, Weights<'py>), PluginError> {
         let lends_views = self
             .plugin
             .object
@@ -154,7 +262,7 @@ impl PolicyPlugin {
         let weights = self.plugin.call(py, hook, ())?;
         let pairs = match weights.cast::<PyDict>() {
             Ok(dict) => dict.items().into_any(),
-            Err(_) => weights,
+            Err(_) => weights.clone(),
         };
         let pairs = pairs.try_iter().map_err(|_| {
             self.plugin.bad_return(
@@ -162,95 +270,47 @@ impl PolicyPlugin {
                 "must return a dict of numpy arrays or an iterable of (name, array) pairs",
             )
         })?;
+        if !weights.is_instance_of::<PyDict>() {
+            return Ok((hook, Weights::Streamed(pairs)));
+        }
         let numpy = py
             .import("numpy")
             .map_err(|err| self.plugin.raised(py, hook, &err))?;
-        for pair in pairs {
-            let pair = pair.map_err(|err| self.plugin.raised(py, hook, &err))?;
-            let (name, array): (String, Bound<'_, PyAny>) = pair.extract().map_err(|_| {
-                self.plugin
-                    .bad_return(hook, "names must be str, each with one array")
-            })?;
-            let (dtype, shape, bytes) =
-                raw_bytes(&numpy, &array).map_err(|err| self.plugin.raised(py, hook, &err))?;
-            let dtype = dtype.ok_or_else(|| {
-                self.plugin.bad_return(
-                    hook,
-                    format!("`{name}` has a dtype that cannot be sent (use float32, float16, integer or bool)"),
-                )
-            })?;
-            let bytes = bytes
-                .as_slice()
-                .map_err(|err| self.plugin.bad_return(hook, format!("`{name}`: {err}")))?;
-            sink(&name, dtype, &shape, bytes)
-                .map_err(|err| self.plugin.bad_return(hook, format!("`{name}`: {err}")))?;
-        }
-        Ok(())
+        let held = pairs
+            .map(|pair| self.weight_view(py, hook, &numpy, pair))
+            .collect::<Result<_, _>>()?;
+        Ok((hook, Weights::Held(held)))
     }
 
-    /// Replaces the weights with `tensors` (checked against the model by `import_weights`).
-    /// Each array handed to the policy is a read-only view of the bytes as they arrived.
-    pub fn import_weights(
+    fn weight_view<'py>(
         &self,
-        py: Python<'_>,
-        tensors: &[TensorBytes],
-    ) -> Result<(), PluginError> {
-        let hook = "import_weights";
-        let weights = (|| -> PyResult<Bound<'_, PyDict>> {
-            let numpy = py.import("numpy")?;
-            let weights = PyDict::new(py);
-            for tensor in tensors {
-                let bytes = Bound::new(py, ReceivedBytes(tensor.data.clone()))?;
-                let kwargs = PyDict::new(py);
-                kwargs.set_item("dtype", numpy_code(tensor.dtype))?;
-                let array = numpy
-                    .call_method("frombuffer", (bytes,), Some(&kwargs))?
-                    .call_method1("reshape", (tensor.shape.clone(),))?;
-                weights.set_item(&tensor.name, array)?;
-            }
-            Ok(weights)
-        })()
-        .map_err(|err| self.plugin.raised(py, hook, &err))?;
-        self.plugin.call(py, hook, (weights,)).map(drop)
-    }
-}
-
-/// Bytes received for a tensor, lent to Python as a read-only buffer (what
-/// `numpy.frombuffer` views without copying); the bytes live as long as any view of them.
-#[pyclass(frozen)]
-struct ReceivedBytes(Bytes);
-
-// The buffer protocol has no safe binding: this one method is the crate's only unsafe code.
-#[allow(unsafe_code)]
-#[pymethods]
-impl ReceivedBytes {
-    /// # Safety
-    /// Called by CPython with a valid `view` to fill, as the buffer protocol requires.
-    unsafe fn __getbuffer__(
-        slf: Bound<'_, Self>,
-        view: *mut pyo3::ffi::Py_buffer,
-        flags: std::os::raw::c_int,
-    ) -> PyResult<()> {
-        let bytes = &slf.get().0;
-        let len = isize::try_from(bytes.len())
-            .map_err(|_| pyo3::exceptions::PyBufferError::new_err("too large for a buffer"))?;
-        // SAFETY: `view` comes from CPython; the buffer lies in `Bytes` that this object owns
-        // and never changes, and `PyBuffer_FillInfo` takes a reference to the object, so the
-        // bytes outlive every view. Read-only: a request to write fails with BufferError.
-        let filled = unsafe {
-            pyo3::ffi::PyBuffer_FillInfo(
-                view,
-                slf.as_ptr(),
-                bytes.as_ptr().cast_mut().cast(),
-                len,
-                1,
-                flags,
+        py: Python<'py>,
+        hook: &'static str,
+        numpy: &Bound<'py, PyModule>,
+        pair: PyResult<Bound<'py, PyAny>>,
+    ) -> Result<WeightView<'py>, PluginError> {
+        let pair = pair.map_err(|err| self.plugin.raised(py, hook, &err))?;
+        let (name, array): (String, Bound<'_, PyAny>) = pair.extract().map_err(|_| {
+            self.plugin
+                .bad_return(hook, "names must be str, each with one array")
+        })?;
+        let (dtype, shape, array) =
+            raw_bytes(numpy, &array).map_err(|err| self.plugin.raised(py, hook, &err))?;
+        let dtype = dtype.ok_or_else(|| {
+            self.plugin.bad_return(
+                hook,
+                format!("`{name}` has a dtype that cannot be sent (use float32, float16, integer or bool)"),
             )
-        };
-        if filled == -1 {
-            return Err(PyErr::fetch(slf.py()));
+        })?;
+        if let Err(err) = array.as_slice() {
+            return Err(self.plugin.bad_return(hook, format!("`{name}`: {err}")));
         }
-        Ok(())
+        Ok(WeightView {
+            name,
+            dtype,
+            shape,
+            array,
+        })
     }
 }
 
@@ -287,22 +347,4 @@ fn dtype_of_numpy(code: &str) -> Option<Dtype> {
         "|b1" => Dtype::Bool,
         _ => return None,
     })
-}
-
-/// The numpy dtype string of a wire dtype (bfloat16 travels as raw 16-bit words).
-fn numpy_code(dtype: Dtype) -> &'static str {
-    match dtype {
-        Dtype::F32 => "<f4",
-        Dtype::F16 => "<f2",
-        Dtype::F64 => "<f8",
-        Dtype::I64 => "<i8",
-        Dtype::I32 => "<i4",
-        Dtype::I16 => "<i2",
-        Dtype::I8 => "|i1",
-        Dtype::U64 => "<u8",
-        Dtype::U32 => "<u4",
-        Dtype::U16 | Dtype::BF16 => "<u2",
-        Dtype::U8 | Dtype::F8E4M3 | Dtype::F8E5M2 => "|u1",
-        Dtype::Bool => "|b1",
-    }
 }

@@ -2,7 +2,6 @@
 //! checkpoint and weight requests in order until it is shut down.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 
 use rollout_core::cluster::weights::WeightStore;
 use rollout_core::config::Sharding;
@@ -171,8 +170,9 @@ async fn checkpoint(
     answer(responder, call, done.map(|()| Done {}));
 }
 
-/// Snapshots the weights: rank 0 keeps the buckets to serve; every rank reports the
-/// checksum so the controller can check that the ranks agree.
+/// Snapshots the weights: rank 0 serves them (pullers start while its buckets are still
+/// being filled); every rank reports the checksum so the controller can check that the
+/// ranks agree.
 async fn publish(
     host: &PolicyHost,
     store: &WeightStore,
@@ -181,18 +181,17 @@ async fn publish(
     name: &str,
 ) -> Result<WeightsReport, RoleError> {
     let serving = !weights_address.is_empty();
-    let allocations = if serving { store.retire() } else { Vec::new() };
-    let buffer = host
+    let allocations = serving.then(|| store.retire());
+    let exported = host
         .export_weights(request.bucket_bytes, allocations)
         .await?;
-    let (version, bytes, checksum) = (buffer.version, buffer.bytes(), buffer.checksum());
-    if serving {
-        store.publish(Arc::new(buffer));
+    if let Some(buffer) = exported.buffer {
+        store.publish(buffer);
     }
     Ok(WeightsReport {
-        version,
-        checksum,
-        bytes,
+        version: exported.version,
+        checksum: exported.checksum,
+        bytes: exported.bytes,
         source: weights_address.to_owned(),
         holder: name.to_owned(),
     })

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use rollout_core::cluster::weights::{VersionBuffer, WeightStore};
+use rollout_core::cluster::weights::{Bucket, VersionBuffer, WeightStore};
 use rollout_core::config::LoadedConfig;
 use rollout_core::roles::{Generator, RoleError, Tokenizer};
 use rollout_net::link::Link;
@@ -38,14 +38,15 @@ const RECONNECT_PAUSE: Duration = Duration::from_secs(1);
 /// starts on arrival: its time in the queue is part of it.
 enum Ordered {
     Generate(u64, GenerateRequest, Span),
-    Swap(
-        u64,
-        tokio::task::JoinHandle<Result<Arc<VersionBuffer>, ClusterError>>,
-        WeightsReport,
-        Span,
-    ),
+    Swap(u64, Pull, WeightsReport, Span),
     /// Colocated: release the device memory generation holds, or take it back.
     Memory(u64, GeneratorMemory, Span),
+}
+
+/// A weight pull under way: its outcome, and its verified buckets as they arrive.
+struct Pull {
+    outcome: tokio::task::JoinHandle<Result<Arc<VersionBuffer>, ClusterError>>,
+    arrivals: mpsc::UnboundedReceiver<Bucket>,
 }
 
 /// Why a worker stopped serving a connection.
@@ -215,25 +216,23 @@ impl Serving<'_> {
     }
 
     /// Starts pulling `report`'s weights at once, while earlier generations still run.
-    fn pull(
-        &self,
-        report: WeightsReport,
-        request: &Span,
-    ) -> tokio::task::JoinHandle<Result<Arc<VersionBuffer>, ClusterError>> {
+    fn pull(&self, report: WeightsReport, request: &Span) -> Pull {
         let span = tracing::info_span!(parent: request, "weights.pull", bytes = report.bytes);
         let (store, key) = (self.store.clone(), self.args.key.clone());
         let source_hello = hello("worker", self.args, serde_json::Value::Null);
         let limits = self.args.limits.clone();
-        tokio::spawn(
+        let (arrived, arrivals) = mpsc::unbounded_channel();
+        let outcome = tokio::spawn(
             async move {
                 let source = Link::connect(&report.source, &key, &source_hello, &limits)
                     .instrument(tracing::info_span!("weights.connect"))
                     .await?
                     .client();
-                Ok(store.pull(&source, &report).await?)
+                Ok(store.pull(&source, &report, Some(arrived)).await?)
             }
             .instrument(span),
-        )
+        );
+        Pull { outcome, arrivals }
     }
 }
 
@@ -299,22 +298,24 @@ async fn set_memory(
     Ok(())
 }
 
+/// Imports the pulled version bucket by bucket as it arrives, then serves it once the pull
+/// verified the whole version. If the pull fails midway, the weights are left part old, part
+/// new, and the host refuses to generate until a later version is imported whole.
 async fn swap_in(
     host: &PolicyHost,
-    pulled: tokio::task::JoinHandle<Result<Arc<VersionBuffer>, ClusterError>>,
+    pull: Pull,
     report: WeightsReport,
     name: &str,
 ) -> Result<WeightsReport, RoleError> {
     let started = std::time::Instant::now();
-    let buffer = pulled
+    let imported = host.import_arriving(pull.arrivals).await;
+    let buffer = pull
+        .outcome
         .await
         .map_err(|err| RoleError::Runtime(format!("the weight pull failed: {err}")))?
         .map_err(|err| RoleError::Protocol(err.to_string()))?;
-    let tensors = buffer
-        .tensors()
-        .map_err(|err| RoleError::Protocol(err.to_string()))?;
-    host.import_weights(report.version, Arc::new(tensors))
-        .await?;
+    imported?;
+    host.serve_version(report.version);
     tracing::debug!(
         "serving weight version {} ({} bytes, {:.3} s after the request)",
         report.version,

@@ -1,0 +1,354 @@
+//! Cutting a policy's tensors into weight buckets. [`BucketLayout`] decides where each
+//! tensor's bytes go; [`VersionBuilder`] copies tensors into their buckets as a policy hands
+//! them over one at a time; [`PlannedVersion`] lays out and checksums tensors that are all at
+//! hand before it copies any byte, so a trainer can report a version (and workers start
+//! pulling it) while its buckets are still being filled, and a rank that only reports a
+//! checksum copies nothing.
+//!
+//! Both lay tensors out alike: each starts at a multiple of [`TENSOR_ALIGN`] (gaps are
+//! zero), a bucket holds about `bucket_bytes`, and a tensor larger than a bucket is split into
+//! bucket-sized pieces, one per bucket, that the receiver joins again.
+
+use std::collections::HashSet;
+use std::ops::Range;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use rollout_net::messages::WeightsBucket;
+use rollout_net::tensor::{Dtype, TENSOR_ALIGN, TensorError, TensorMeta, TensorTable, checksum};
+
+use super::weights::{Bucket, VersionBuffer, VersionHasher, WeightsError};
+
+/// A version a trainer exported: its checksum and size and, when it serves the version, the
+/// buffer its buckets are filled into (possibly still being filled: pullers wait for each).
+#[derive(Debug)]
+pub struct ExportedVersion {
+    pub version: u64,
+    pub checksum: String,
+    pub bytes: u64,
+    pub buffer: Option<Arc<VersionBuffer>>,
+}
+
+/// Where bytes `range` of a tensor go: bucket `bucket`, from byte `offset` of its payload.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Placement {
+    bucket: usize,
+    offset: usize,
+    range: Range<usize>,
+}
+
+/// The tables of a version's buckets, built as tensors are added.
+struct BucketLayout {
+    bucket_bytes: usize,
+    /// The tables so far; the last one is the open bucket's.
+    tables: Vec<TensorTable>,
+    /// Payload bytes of each bucket so far.
+    lens: Vec<usize>,
+    names: HashSet<String>,
+}
+
+impl BucketLayout {
+    fn new(bucket_bytes: u64) -> Self {
+        Self {
+            bucket_bytes: usize::try_from(bucket_bytes.max(1)).unwrap_or(usize::MAX),
+            tables: vec![TensorTable::default()],
+            lens: vec![0],
+            names: HashSet::new(),
+        }
+    }
+
+    fn open_is_empty(&self) -> bool {
+        self.tables.last().is_none_or(|t| t.tensors.is_empty())
+    }
+
+    fn close(&mut self) {
+        self.tables.push(TensorTable::default());
+        self.lens.push(0);
+    }
+
+    /// Places a tensor of `len` bytes and returns where its bytes go, in order.
+    fn add(
+        &mut self,
+        name: &str,
+        dtype: Dtype,
+        shape: &[u64],
+        len: usize,
+    ) -> Result<Vec<Placement>, WeightsError> {
+        let expected = dtype.byte_len(shape);
+        if expected != Some(len as u64) {
+            return Err(TensorError::LengthMismatch {
+                name: name.to_owned(),
+                dtype,
+                shape: shape.to_vec(),
+                len: len as u64,
+                expected: expected.unwrap_or(u64::MAX),
+            }
+            .into());
+        }
+        if !self.names.insert(name.to_owned()) {
+            return Err(TensorError::DuplicateName {
+                name: name.to_owned(),
+            }
+            .into());
+        }
+        if len <= self.bucket_bytes {
+            let open_len = self.lens.last().copied().unwrap_or(0);
+            if !self.open_is_empty() && open_len + len > self.bucket_bytes {
+                self.close();
+            }
+            return Ok(vec![self.append(name, dtype, shape, None, 0..len)]);
+        }
+        if !self.open_is_empty() {
+            self.close();
+        }
+        let piece = (self.bucket_bytes / TENSOR_ALIGN * TENSOR_ALIGN).max(TENSOR_ALIGN);
+        let mut placements = Vec::with_capacity(len.div_ceil(piece));
+        for start in (0..len).step_by(piece) {
+            let range = start..(start + piece).min(len);
+            placements.push(self.append(name, dtype, shape, Some(start as u64), range));
+            self.close();
+        }
+        Ok(placements)
+    }
+
+    fn append(
+        &mut self,
+        name: &str,
+        dtype: Dtype,
+        shape: &[u64],
+        piece_start: Option<u64>,
+        range: Range<usize>,
+    ) -> Placement {
+        let bucket = self.tables.len() - 1;
+        let offset = self.lens[bucket].next_multiple_of(TENSOR_ALIGN);
+        self.lens[bucket] = offset + range.len();
+        self.tables[bucket].tensors.push(TensorMeta {
+            name: name.to_owned(),
+            dtype,
+            shape: shape.to_vec(),
+            offset: offset as u64,
+            len: range.len() as u64,
+            piece_start,
+        });
+        Placement {
+            bucket,
+            offset,
+            range,
+        }
+    }
+
+    /// The buckets' tables and payload lengths (one empty bucket for a model without
+    /// tensors).
+    fn finish(&mut self) -> (Vec<TensorTable>, Vec<usize>) {
+        if self.open_is_empty() && self.tables.len() > 1 {
+            self.tables.pop();
+            self.lens.pop();
+        }
+        (
+            std::mem::take(&mut self.tables),
+            std::mem::take(&mut self.lens),
+        )
+    }
+}
+
+/// Appends `bytes` to a bucket's payload at `offset` (zeroing the alignment gap before it).
+fn write_at(payload: &mut Vec<u8>, offset: usize, bytes: &[u8]) {
+    payload.resize(offset, 0);
+    payload.extend_from_slice(bytes);
+}
+
+fn allocation(allocations: &mut Vec<Vec<u8>>, bucket_bytes: usize) -> Vec<u8> {
+    match allocations.pop() {
+        Some(mut reused) => {
+            reused.clear();
+            reused
+        }
+        // Room for a full bucket and its alignment gaps; a huge configured size is not
+        // reserved up front.
+        None => Vec::with_capacity(bucket_bytes.saturating_add(TENSOR_ALIGN).min(1 << 30)),
+    }
+}
+
+fn headers(version: u64, tables: Vec<TensorTable>, checksums: Vec<String>) -> Vec<WeightsBucket> {
+    let count = tables.len() as u32;
+    tables
+        .into_iter()
+        .zip(checksums)
+        .enumerate()
+        .map(|(index, (tensors, checksum))| WeightsBucket {
+            version,
+            index: index as u32,
+            count,
+            checksum,
+            tensors,
+        })
+        .collect()
+}
+
+/// Cuts tensors into buckets as a policy exports them one at a time: each tensor's bytes
+/// are copied once, straight into its bucket (checksummed as the bucket closes, while it is
+/// still in cache). Buckets are written into `allocations` left by an earlier version where
+/// there are any, so a trainer does not fault in fresh pages every sync.
+pub struct VersionBuilder {
+    version: u64,
+    layout: BucketLayout,
+    open: Vec<u8>,
+    closed: Vec<(Bytes, String)>,
+    allocations: Vec<Vec<u8>>,
+}
+
+impl VersionBuilder {
+    pub fn new(version: u64, bucket_bytes: u64, mut allocations: Vec<Vec<u8>>) -> Self {
+        let layout = BucketLayout::new(bucket_bytes);
+        let open = allocation(&mut allocations, layout.bucket_bytes);
+        Self {
+            version,
+            layout,
+            open,
+            closed: Vec::new(),
+            allocations,
+        }
+    }
+
+    /// Appends one tensor (its little-endian, row-major bytes).
+    pub fn push(
+        &mut self,
+        name: &str,
+        dtype: Dtype,
+        shape: &[u64],
+        data: &[u8],
+    ) -> Result<(), WeightsError> {
+        for placement in self.layout.add(name, dtype, shape, data.len())? {
+            while self.closed.len() < placement.bucket {
+                self.close_bucket();
+            }
+            write_at(&mut self.open, placement.offset, &data[placement.range]);
+        }
+        Ok(())
+    }
+
+    fn close_bucket(&mut self) {
+        let next = allocation(&mut self.allocations, self.layout.bucket_bytes);
+        let payload = Bytes::from(std::mem::replace(&mut self.open, next));
+        let checksum = checksum(&payload);
+        self.closed.push((payload, checksum));
+    }
+
+    /// The version, in buckets numbered in order.
+    pub fn finish(mut self) -> VersionBuffer {
+        let (tables, _) = self.layout.finish();
+        while self.closed.len() < tables.len() {
+            self.close_bucket();
+        }
+        let (payloads, checksums): (Vec<Bytes>, Vec<String>) = self.closed.into_iter().unzip();
+        let buffer = VersionBuffer::new(self.version, tables.len() as u32);
+        for (header, payload) in headers(self.version, tables, checksums)
+            .into_iter()
+            .zip(payloads)
+        {
+            buffer.push(Bucket { header, payload });
+        }
+        buffer
+    }
+}
+
+/// A version laid out and checksummed from tensors that are all at hand (read in place, not
+/// copied), whose buckets are filled afterwards: its checksum is known before any byte is
+/// copied, and [`PlannedVersion::fill`] can run while pullers already wait for its buckets.
+pub struct PlannedVersion<'a> {
+    version: u64,
+    headers: Vec<WeightsBucket>,
+    lens: Vec<usize>,
+    /// Each bucket's contents: where each run of source bytes goes.
+    contents: Vec<Vec<(usize, &'a [u8])>>,
+}
+
+impl<'a> PlannedVersion<'a> {
+    /// Lays `tensors` (name, dtype, shape, bytes) out in buckets of about `bucket_bytes` and
+    /// checksums every bucket, reading each byte once.
+    pub fn plan<'t>(
+        version: u64,
+        bucket_bytes: u64,
+        tensors: impl IntoIterator<Item = (&'t str, Dtype, &'t [u64], &'a [u8])>,
+    ) -> Result<Self, WeightsError> {
+        let mut layout = BucketLayout::new(bucket_bytes);
+        let mut contents: Vec<Vec<(usize, &'a [u8])>> = Vec::new();
+        for (name, dtype, shape, data) in tensors {
+            for placement in layout.add(name, dtype, shape, data.len())? {
+                if contents.len() <= placement.bucket {
+                    contents.resize_with(placement.bucket + 1, Vec::new);
+                }
+                contents[placement.bucket].push((placement.offset, &data[placement.range]));
+            }
+        }
+        let (tables, lens) = layout.finish();
+        contents.resize_with(tables.len(), Vec::new);
+        let checksums = contents
+            .iter()
+            .map(|runs| streamed_checksum(runs))
+            .collect();
+        Ok(Self {
+            version,
+            headers: headers(version, tables, checksums),
+            lens,
+            contents,
+        })
+    }
+
+    /// The version checksum ([`VersionBuffer::checksum`] once filled).
+    pub fn checksum(&self) -> String {
+        let mut hasher = VersionHasher::default();
+        for header in &self.headers {
+            hasher.add(header);
+        }
+        hasher.finish()
+    }
+
+    /// Payload bytes of all buckets.
+    pub fn bytes(&self) -> u64 {
+        self.lens.iter().map(|&len| len as u64).sum()
+    }
+
+    /// An empty buffer for this version, for [`PlannedVersion::fill`].
+    pub fn buffer(&self) -> VersionBuffer {
+        VersionBuffer::new(self.version, self.headers.len() as u32)
+    }
+
+    /// Copies each bucket into `buffer` (written into `allocations` where there are any),
+    /// in order, each published to pullers as soon as it is whole.
+    pub fn fill(self, buffer: &Arc<VersionBuffer>, mut allocations: Vec<Vec<u8>>) {
+        for ((header, runs), len) in self.headers.into_iter().zip(self.contents).zip(self.lens) {
+            let mut payload = allocation(&mut allocations, len);
+            payload.reserve(len);
+            for (offset, bytes) in runs {
+                write_at(&mut payload, offset, bytes);
+            }
+            buffer.push(Bucket {
+                header,
+                payload: Bytes::from(payload),
+            });
+        }
+    }
+}
+
+/// The checksum of the payload `runs` lay out ([`checksum`] of it), without building it.
+fn streamed_checksum(runs: &[(usize, &[u8])]) -> String {
+    const GAP: [u8; TENSOR_ALIGN] = [0; TENSOR_ALIGN];
+    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    let mut end = 0;
+    for &(offset, bytes) in runs {
+        let mut gap = offset - end;
+        while gap > 0 {
+            let zeros = gap.min(GAP.len());
+            hasher.update(&GAP[..zeros]);
+            gap -= zeros;
+        }
+        hasher.update(bytes);
+        end = offset + bytes.len();
+    }
+    format!("{:032x}", hasher.digest128())
+}
+
+#[cfg(test)]
+#[path = "buckets_tests.rs"]
+mod tests;

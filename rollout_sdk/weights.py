@@ -1,0 +1,54 @@
+"""Weights that arrive while a policy reads them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+
+
+class StreamedWeights(Mapping[str, np.ndarray]):
+    """A mapping of weights whose tensors arrive while it is read: what a generation worker's
+    ``Policy.import_weights`` is given during a weight sync.
+
+    Iterating it (``items()``, ``for name in weights``) yields each tensor as soon as its bucket
+    has arrived and been verified, so a policy that copies each tensor as it iterates overlaps
+    its copies with the transfer. Everything else a ``Mapping`` offers works too: looking up a
+    name, ``len`` or ``in`` wait until that name (or every tensor) has arrived. If the transfer
+    fails, reading on raises ``RuntimeError``.
+    """
+
+    def __init__(self, arrivals: Iterator[tuple[str, np.ndarray]]) -> None:
+        self._arrivals: Iterator[tuple[str, np.ndarray]] | None = arrivals
+        self._arrived: dict[str, np.ndarray] = {}
+        self._order: list[str] = []
+
+    def _receive(self) -> bool:
+        """Takes the next tensor in; False once every tensor has arrived."""
+        if self._arrivals is None:
+            return False
+        try:
+            name, array = next(self._arrivals)
+        except StopIteration:
+            self._arrivals = None
+            return False
+        self._arrived[name] = array
+        self._order.append(name)
+        return True
+
+    def __iter__(self) -> Iterator[str]:
+        index = 0
+        while index < len(self._order) or self._receive():
+            yield self._order[index]
+            index += 1
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        while name not in self._arrived:
+            if not self._receive():
+                raise KeyError(name)
+        return self._arrived[name]
+
+    def __len__(self) -> int:
+        while self._receive():
+            pass
+        return len(self._order)
