@@ -31,6 +31,7 @@ from transformers.utils import logging as transformers_logging
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.distributed import cpu_model  # noqa: E402
 from bench.e2e.flops import forward_gemm_seconds, matmul_shapes  # noqa: E402
 from python_plugins.quickstart import create_tiny_model  # noqa: E402
 
@@ -249,7 +250,7 @@ def main() -> None:
     summary = {
         "command": "bench/engine " + " ".join(sys.argv[3:]),
         "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads",
+        "machine": f"{cpu_model()} ({platform.machine()}), {torch.get_num_threads()} torch threads",
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "model": {"hidden_size": 512, "layers": 8, "parameters": parameters},
         "workload": {
