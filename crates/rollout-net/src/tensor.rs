@@ -303,26 +303,10 @@ impl TensorPayloadBuilder {
 
     /// A builder whose payload buffer starts with room for `bytes` bytes.
     pub fn with_capacity(bytes: usize) -> Self {
-        Self::reusing(Vec::with_capacity(bytes))
-    }
-
-    /// A builder writing into `buffer` (emptied first; its allocation is kept).
-    pub fn reusing(mut buffer: Vec<u8>) -> Self {
-        buffer.clear();
         Self {
-            payload: buffer,
+            payload: Vec::with_capacity(bytes),
             ..Self::default()
         }
-    }
-
-    /// Bytes of payload so far.
-    pub fn payload_len(&self) -> usize {
-        self.payload.len()
-    }
-
-    /// Whether no tensor (or piece) was pushed.
-    pub fn is_empty(&self) -> bool {
-        self.table.tensors.is_empty()
     }
 
     /// Appends a tensor; `data` is its little-endian, row-major bytes.
@@ -347,47 +331,21 @@ impl TensorPayloadBuilder {
                 expected,
             });
         }
-        self.append(name, dtype, shape, None, data)
-    }
-
-    /// Appends bytes `start..start + data.len()` of a tensor (a tensor larger than a payload
-    /// travels in pieces, one per payload).
-    pub fn push_piece(
-        &mut self,
-        name: String,
-        dtype: Dtype,
-        shape: Vec<u64>,
-        start: u64,
-        data: &[u8],
-    ) -> Result<&mut Self, TensorError> {
-        self.append(name, dtype, shape, Some(start), data)
-    }
-
-    fn append(
-        &mut self,
-        name: String,
-        dtype: Dtype,
-        shape: Vec<u64>,
-        piece_start: Option<u64>,
-        data: &[u8],
-    ) -> Result<&mut Self, TensorError> {
         if self.names.contains(&name) {
             return Err(TensorError::DuplicateName { name });
         }
         let offset = self.payload.len().next_multiple_of(TENSOR_ALIGN);
-        let meta = TensorMeta {
+        self.payload.resize(offset, 0);
+        self.payload.extend_from_slice(data);
+        self.names.insert(name.clone());
+        self.table.tensors.push(TensorMeta {
             name,
             dtype,
             shape,
             offset: offset as u64,
-            len: data.len() as u64,
-            piece_start,
-        };
-        meta.validate(offset as u64 + meta.len)?;
-        self.payload.resize(offset, 0);
-        self.payload.extend_from_slice(data);
-        self.names.insert(meta.name.clone());
-        self.table.tensors.push(meta);
+            len,
+            piece_start: None,
+        });
         Ok(self)
     }
 
