@@ -1,4 +1,4 @@
-//! Cutting a policy's tensors into weight buckets. [`BucketLayout`] decides where each
+//! Cutting a policy's tensors into weight buckets. `BucketLayout` decides where each
 //! tensor's bytes go; [`VersionBuilder`] copies tensors into their buckets as a policy hands
 //! them over one at a time; [`PlannedVersion`] lays out and checksums tensors that are all at
 //! hand before it copies any byte, so a trainer can report a version (and workers start
@@ -15,7 +15,9 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use rollout_net::messages::WeightsBucket;
-use rollout_net::tensor::{Dtype, TENSOR_ALIGN, TensorError, TensorMeta, TensorTable, checksum};
+use rollout_net::tensor::{
+    Dtype, TENSOR_ALIGN, TensorBytes, TensorError, TensorMeta, TensorTable, checksum,
+};
 
 use super::weights::{Bucket, VersionBuffer, VersionHasher, WeightsError};
 
@@ -249,6 +251,21 @@ impl VersionBuilder {
             buffer.push(Bucket { header, payload });
         }
         buffer
+    }
+}
+
+impl VersionBuffer {
+    /// Cuts `tensors` into buckets of about `bucket_bytes` (see [`VersionBuilder`]).
+    pub fn from_tensors(
+        version: u64,
+        tensors: &[TensorBytes],
+        bucket_bytes: u64,
+    ) -> Result<Self, WeightsError> {
+        let mut builder = VersionBuilder::new(version, bucket_bytes, Vec::new());
+        for tensor in tensors {
+            builder.push(&tensor.name, tensor.dtype, &tensor.shape, &tensor.data)?;
+        }
+        Ok(builder.finish())
     }
 }
 

@@ -20,8 +20,6 @@ use rollout_net::{ClusterKey, NetError};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch};
 
-use super::buckets::VersionBuilder;
-
 /// Folds bucket checksums, in order, into a version checksum.
 #[derive(Default)]
 pub(super) struct VersionHasher(xxhash_rust::xxh3::Xxh3);
@@ -99,21 +97,8 @@ impl VersionBuffer {
         }
     }
 
-    /// Cuts `tensors` into buckets of about `bucket_bytes` (see [`VersionBuilder`]).
-    pub fn from_tensors(
-        version: u64,
-        tensors: &[TensorBytes],
-        bucket_bytes: u64,
-    ) -> Result<Self, WeightsError> {
-        let mut builder = VersionBuilder::new(version, bucket_bytes, Vec::new());
-        for tensor in tensors {
-            builder.push(&tensor.name, tensor.dtype, &tensor.shape, &tensor.data)?;
-        }
-        Ok(builder.finish())
-    }
-
-    /// The allocations of this version's buckets, for the next version's
-    /// [`VersionBuilder`]: those of buckets nothing else still holds.
+    /// The allocations of this version's buckets, for the next version (see
+    /// [`crate::cluster::buckets`]): those of buckets nothing else still holds.
     pub fn into_allocations(self) -> Vec<Vec<u8>> {
         let buckets = self.buckets.into_inner().unwrap_or_default();
         buckets
@@ -325,8 +310,8 @@ impl WeightStore {
     }
 
     /// Stops serving the current version (the controller publishes a version only once every
-    /// generator has the one before) and returns its bucket allocations for the next
-    /// [`VersionBuilder`]: none while a puller still holds the version.
+    /// generator has the one before) and returns its bucket allocations for the next version
+    /// (see [`crate::cluster::buckets`]): none while a puller still holds the version.
     pub fn retire(&self) -> Vec<Vec<u8>> {
         self.current
             .send_replace(None)

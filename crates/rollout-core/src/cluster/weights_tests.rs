@@ -3,6 +3,7 @@
 use rollout_net::Dtype;
 
 use super::*;
+use crate::cluster::buckets::VersionBuilder;
 
 fn tensors() -> Vec<TensorBytes> {
     (0..5)
