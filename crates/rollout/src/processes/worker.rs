@@ -298,9 +298,8 @@ async fn set_memory(
     Ok(())
 }
 
-/// Imports the pulled version bucket by bucket as it arrives, then serves it once the pull
-/// verified the whole version. If the pull fails midway, the weights are left part old, part
-/// new, and the host refuses to generate until a later version is imported whole.
+/// Imports the pulled version once the pull has verified all of it (its buckets wait in
+/// `pull.arrivals`), so a pull that fails midway leaves the weights as they were.
 async fn swap_in(
     host: &PolicyHost,
     pull: Pull,
@@ -308,13 +307,12 @@ async fn swap_in(
     name: &str,
 ) -> Result<WeightsReport, RoleError> {
     let started = std::time::Instant::now();
-    let imported = host.import_arriving(pull.arrivals).await;
     let buffer = pull
         .outcome
         .await
         .map_err(|err| RoleError::Runtime(format!("the weight pull failed: {err}")))?
         .map_err(|err| RoleError::Protocol(err.to_string()))?;
-    imported?;
+    host.import_arriving(pull.arrivals).await?;
     host.serve_version(report.version);
     tracing::debug!(
         "serving weight version {} ({} bytes, {:.3} s after the request)",
