@@ -5,8 +5,7 @@ Writes bench/results/distributed.json. Run `bench/distributed` (it sets up the e
 - Weight sync of the ~25M model (the `small` model of bench/e2e) to 1, 2 and 4 workers over
   loopback: the transport alone (examples/weight_sync.rs: trainer store -> relay chain of
   worker stores, against raw loopback TCP measured between the syncs), and end to end in a real
-  `rollout launch` (export from torch, buckets, relay, verify, import into torch, overlapped
-  bucket by bucket).
+  `rollout launch` (export from torch, buckets, relay, verify, import into torch).
 - Asynchronous (max_staleness 1) vs synchronous (0) completions/s with the same processes on a
   heavy-tailed completion-length workload, and the learning curves of both from one checkpoint.
 - Controller capacity with simulated generation workers (examples/controller_capacity.rs).

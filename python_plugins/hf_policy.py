@@ -488,11 +488,11 @@ class HFCausalLM(Policy):
 
     @torch.no_grad()
     def import_weights(self, weights: Mapping[str, np.ndarray]) -> None:
-        """Copies each tensor into its parameter. Weights that are still arriving (a weight
-        sync's ``StreamedWeights``) are taken as they come, and a float32 parameter on the CPU
-        then becomes a view of the received bytes instead of a copy of them (they never change,
-        and nothing on a generation worker writes its weights); weights at hand are checked
-        whole first, so a bad mapping changes nothing."""
+        """Copies each tensor into its parameter. A weight sync's ``StreamedWeights`` is taken
+        one tensor at a time, and a float32 parameter on the CPU then becomes a view of the
+        received bytes instead of a copy of them (they never change, and nothing on a
+        generation worker writes its weights); weights at hand are checked whole first, so a
+        bad mapping changes nothing."""
         params = dict(self.trainable)
         arriving = isinstance(weights, StreamedWeights)
         if not arriving:

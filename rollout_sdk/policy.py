@@ -103,8 +103,8 @@ class Policy(Plugin):
 
         The arrays are read-only views of the bytes as they arrived (copy one to change it).
         In a weight sync ``weights`` is a ``rollout_sdk.weights.StreamedWeights``: iterating
-        it yields each tensor as soon as it has arrived, so copying tensors in that loop
-        overlaps the copies with the transfer (checking the names first waits for all of them).
+        it yields each tensor as soon as it is at hand, so copy tensors in that loop rather
+        than checking all names first (which waits for every tensor).
         """
         raise NotImplementedError
 

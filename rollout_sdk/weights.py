@@ -1,4 +1,4 @@
-"""Weights that arrive while a policy reads them."""
+"""Weights handed to a policy one tensor at a time."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import numpy as np
 
 
 class StreamedWeights(Mapping[str, np.ndarray]):
-    """A mapping of weights whose tensors arrive while it is read: what a generation worker's
-    ``Policy.import_weights`` is given during a weight sync.
+    """A mapping of weights whose tensors are taken in one at a time as it is read: what a
+    generation worker's ``Policy.import_weights`` is given in a weight sync.
 
-    Iterating it (``items()``, ``for name in weights``) yields each tensor as soon as its bucket
-    has arrived and been verified, so a policy that copies each tensor as it iterates overlaps
-    its copies with the transfer. Everything else a ``Mapping`` offers works too: looking up a
-    name, ``len`` or ``in`` wait until that name (or every tensor) has arrived. If the transfer
-    fails, reading on raises ``RuntimeError``.
+    Iterating it (``items()``, ``for name in weights``) yields each tensor as soon as it is at
+    hand (its bucket received and verified), without building a dict of the whole version
+    first, so a policy should copy each tensor as it iterates. Everything else a ``Mapping``
+    offers works too: looking up a name, ``len`` or ``in`` read on until that name (or every
+    tensor) is in. If the tensors stop short, reading on raises ``RuntimeError``.
     """
 
     def __init__(self, arrivals: Iterator[tuple[str, np.ndarray]]) -> None:

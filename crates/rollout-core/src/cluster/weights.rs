@@ -402,8 +402,8 @@ impl WeightStore {
 
     /// Pulls `report.version` from `source`, verifying each bucket before storing it here
     /// (where this process's own weight server relays it on at once) and handing it to
-    /// `arrivals` (an importer that loads buckets as they come), then the whole version's
-    /// checksum. `arrivals` closes when the pull ends, whether or not it succeeded.
+    /// `arrivals` (for the importer), then the whole version's checksum. `arrivals` closes
+    /// when the pull ends, whether or not it succeeded.
     pub async fn pull(
         &self,
         source: &RpcClient,

@@ -171,10 +171,10 @@ impl PolicyHost {
         Ok(())
     }
 
-    /// Imports the weight version whose verified buckets come on `arrivals`, each as it
-    /// arrives. Runs as one job on the interpreter thread, so it falls between two engine
-    /// steps, never inside one. From here until [`PolicyHost::serve_version`] the weights may
-    /// be part of one version, part of another, and generation refuses to run.
+    /// Imports the weight version whose verified buckets come on `arrivals`. Runs as one job
+    /// on the interpreter thread, so it falls between two engine steps, never inside one. From
+    /// here until [`PolicyHost::serve_version`] the weights may be part of one version, part
+    /// of another (if the policy's import fails midway), and generation refuses to run.
     pub async fn import_arriving(
         &self,
         arrivals: UnboundedReceiver<Bucket>,
@@ -205,7 +205,7 @@ impl Generator for PolicyHost {
         traced(span, async move {
             if self.torn.load(Ordering::SeqCst) {
                 return Err(RoleError::Protocol(
-                    "this worker's weights are part of a version whose pull failed; it \
+                    "this worker's weights are part of a version whose import failed; it \
                      generates again once a whole version is imported"
                         .into(),
                 ));

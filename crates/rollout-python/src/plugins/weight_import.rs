@@ -1,7 +1,7 @@
-//! Weights arriving on a generation worker, handed to the policy while they arrive: its
+//! Weights received by a generation worker, handed to the policy bucket by bucket: its
 //! `import_weights` gets a `rollout_sdk.weights.StreamedWeights` mapping that yields each
-//! tensor once its bucket is in and verified, as a read-only NumPy view of the received bytes,
-//! so the policy copies one bucket while the next is on the wire.
+//! tensor once its bucket is in, as a read-only NumPy view of the received bytes (no dict of
+//! the whole version is built first).
 
 use std::collections::VecDeque;
 
