@@ -103,8 +103,8 @@ class Policy(Plugin):
 
         The arrays are read-only views of the bytes as they arrived (copy one to change it).
         In a weight sync ``weights`` is a ``rollout_sdk.weights.StreamedWeights``: iterating
-        it yields each tensor as soon as it is at hand, so copy tensors in that loop rather
-        than checking all names first (which waits for every tensor).
+        it takes each tensor in when it is reached, so copy tensors in that loop rather than
+        checking all names first (which takes every tensor in first).
         """
         raise NotImplementedError
 

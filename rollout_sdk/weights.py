@@ -11,11 +11,12 @@ class StreamedWeights(Mapping[str, np.ndarray]):
     """A mapping of weights whose tensors are taken in one at a time as it is read: what a
     generation worker's ``Policy.import_weights`` is given in a weight sync.
 
-    Iterating it (``items()``, ``for name in weights``) yields each tensor as soon as it is at
-    hand (its bucket received and verified), without building a dict of the whole version
-    first, so a policy should copy each tensor as it iterates. Everything else a ``Mapping``
-    offers works too: looking up a name, ``len`` or ``in`` read on until that name (or every
-    tensor) is in. If the tensors stop short, reading on raises ``RuntimeError``.
+    Iterating it (``items()``, ``for name in weights``) takes each tensor in when it is reached
+    (in a sync, a read-only view of the received and verified bytes, made then), without
+    building a dict of the whole version first, so a policy should copy each tensor as it
+    iterates. Everything else a ``Mapping`` offers works too: looking up a name, ``len`` or
+    ``in`` read on until that name (or every tensor) is in. An error of the source is raised
+    where the mapping is read.
     """
 
     def __init__(self, arrivals: Iterator[tuple[str, np.ndarray]]) -> None:

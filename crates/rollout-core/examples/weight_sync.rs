@@ -168,7 +168,7 @@ async fn sync(
             )
             .await
             .unwrap();
-            let pulled = store.pull(&link.client(), &report, None).await.unwrap();
+            let pulled = store.pull(&link.client(), &report).await.unwrap();
             assert_eq!(pulled.checksum(), report.checksum);
         }));
         source = addr.clone();

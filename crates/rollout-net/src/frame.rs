@@ -10,6 +10,7 @@ use serde::de::DeserializeOwned;
 use tokio_util::codec::{Decoder, Encoder};
 
 use crate::messages::{Message, MessageKind};
+use crate::payload::{ArrivingPayload, BufferPool, POOLED_PAYLOAD_BYTES};
 
 /// The first three bytes of every frame.
 pub const MAGIC: [u8; 3] = *b"RLT";
@@ -23,18 +24,32 @@ pub const DEFAULT_MAX_HEADER_BYTES: u32 = 16 << 20;
 pub const DEFAULT_MAX_PAYLOAD_BYTES: u64 = 64 << 30;
 /// The room the decoder keeps for the rest of a frame before it grows its buffer.
 const MIN_ROOM: usize = 1 << 20;
+/// The read buffer's room while a large payload streams through it.
+const READ_ROOM: usize = 1 << 20;
 
 /// The most the decoder reserves ahead of bytes that have actually arrived, so a preamble
 /// alone cannot make it allocate a large frame; bigger frames grow the buffer as they arrive.
 const MAX_RESERVE_AHEAD: usize = 8 << 20;
 
 /// One message on the wire: its kind, its JSON header and its raw payload (often empty).
-#[derive(Clone, PartialEq, Eq)]
+#[derive(Clone)]
 pub struct Frame {
     pub kind: MessageKind,
     pub header: Bytes,
     pub payload: Bytes,
+    /// The payload's XXH3-128, where the decoder hashed it as it arrived (large payloads);
+    /// see [`Frame::payload_checksum`].
+    pub payload_xxh3: Option<u128>,
 }
+
+/// Frames are equal when they carry the same message: the digest is a cache.
+impl PartialEq for Frame {
+    fn eq(&self, other: &Self) -> bool {
+        self.kind == other.kind && self.header == other.header && self.payload == other.payload
+    }
+}
+
+impl Eq for Frame {}
 
 impl Frame {
     /// A frame of `kind` whose header is `message` as JSON.
@@ -49,7 +64,17 @@ impl Frame {
             kind,
             header: Bytes::from(header),
             payload,
+            payload_xxh3: None,
         })
+    }
+
+    /// The payload's [`crate::tensor::checksum`], without a pass over it where the decoder
+    /// hashed it while it arrived.
+    pub fn payload_checksum(&self) -> String {
+        match self.payload_xxh3 {
+            Some(digest) => format!("{digest:032x}"),
+            None => crate::tensor::checksum(&self.payload),
+        }
     }
 
     /// A frame carrying `message`, of its own kind.
@@ -94,11 +119,16 @@ impl std::fmt::Debug for Frame {
 ///
 /// Decoding validates the whole preamble, including both lengths against the limits, before
 /// reserving any memory for a frame, and then reserves at most 8 MiB ahead of the bytes that
-/// have actually arrived. After an error the stream is out of step and should be closed.
+/// have actually arrived. A large payload (see [`crate::payload`]) is moved out of the read
+/// buffer as it arrives, into a buffer of the codec's [`BufferPool`], and hashed on the way.
+/// After an error the stream is out of step and should be closed.
 #[derive(Debug, Clone)]
 pub struct FrameCodec {
     max_header_bytes: u32,
     max_payload_bytes: u64,
+    pool: BufferPool,
+    /// The frame whose large payload is arriving: its kind and header.
+    arriving: Option<(MessageKind, Bytes, ArrivingPayload)>,
 }
 
 impl Default for FrameCodec {
@@ -106,6 +136,8 @@ impl Default for FrameCodec {
         Self {
             max_header_bytes: DEFAULT_MAX_HEADER_BYTES,
             max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
+            pool: BufferPool::default(),
+            arriving: None,
         }
     }
 }
@@ -124,6 +156,12 @@ impl FrameCodec {
     /// Sets the largest payload accepted or sent.
     pub fn with_max_payload_bytes(mut self, max: u64) -> Self {
         self.max_payload_bytes = max;
+        self
+    }
+
+    /// Receives large payloads into (and returns them to) `pool`.
+    pub fn with_pool(mut self, pool: BufferPool) -> Self {
+        self.pool = pool;
         self
     }
 
@@ -222,6 +260,22 @@ impl Decoder for FrameCodec {
     type Error = FrameError;
 
     fn decode(&mut self, src: &mut BytesMut) -> Result<Option<Frame>, FrameError> {
+        if let Some((kind, header, mut payload)) = self.arriving.take() {
+            payload.take_from(src);
+            if payload.missing() > 0 {
+                self.arriving = Some((kind, header, payload));
+                // Large reads while a payload streams in: one syscall per MiB, not per 8 KiB.
+                src.reserve(READ_ROOM);
+                return Ok(None);
+            }
+            let (payload, digest) = payload.finish();
+            return Ok(Some(Frame {
+                kind,
+                header,
+                payload,
+                payload_xxh3: Some(digest),
+            }));
+        }
         let Some(preamble) = src.first_chunk::<PREAMBLE_LEN>() else {
             // Reject a peer that speaks another protocol without waiting for 24 bytes.
             let seen = &src[..src.len().min(MAGIC.len())];
@@ -247,26 +301,26 @@ impl Decoder for FrameCodec {
         };
         let header_len = usize::try_from(header_len).map_err(|_| too_large())?;
         let payload_len_usize = usize::try_from(payload_len).map_err(|_| too_large())?;
-        let frame_len = PREAMBLE_LEN
-            .checked_add(header_len)
-            .and_then(|n| n.checked_add(payload_len_usize))
+        let head_len = PREAMBLE_LEN.checked_add(header_len).ok_or_else(too_large)?;
+        let frame_len = head_len
+            .checked_add(payload_len_usize)
             .ok_or_else(too_large)?;
 
-        if src.len() < frame_len {
-            // Once the room left runs low, room for more of the frame: as much again as has
-            // arrived (at least MAX_RESERVE_AHEAD), so a large frame is copied a logarithmic
-            // number of times while a preamble alone still cannot make the decoder allocate
-            // much. A fresh buffer: `BytesMut::reserve` could keep the bytes of frames
-            // already handed out in front of it.
-            let missing = frame_len - src.len();
-            let room = src.capacity() - src.len();
-            if room < missing.min(MIN_ROOM) {
-                let ahead = src.len().max(MAX_RESERVE_AHEAD);
-                let wanted = frame_len.min(src.len().saturating_add(ahead));
-                let mut grown = BytesMut::with_capacity(wanted);
-                grown.extend_from_slice(src);
-                *src = grown;
+        if payload_len_usize >= POOLED_PAYLOAD_BYTES {
+            if src.len() < head_len {
+                make_room(src, head_len);
+                return Ok(None);
             }
+            src.advance(PREAMBLE_LEN);
+            // Copied, so the read buffer stays this codec's alone and is reused.
+            let header = Bytes::copy_from_slice(&src[..header_len]);
+            src.advance(header_len);
+            let payload = ArrivingPayload::start(payload_len_usize, &self.pool);
+            self.arriving = Some((kind, header, payload));
+            return self.decode(src);
+        }
+        if src.len() < frame_len {
+            make_room(src, frame_len);
             return Ok(None);
         }
         let mut frame = src.split_to(frame_len).freeze();
@@ -276,17 +330,39 @@ impl Decoder for FrameCodec {
             kind,
             header,
             payload: frame,
+            payload_xxh3: None,
         }))
     }
 
     fn decode_eof(&mut self, src: &mut BytesMut) -> Result<Option<Frame>, FrameError> {
         match self.decode(src)? {
             Some(frame) => Ok(Some(frame)),
-            None if src.is_empty() => Ok(None),
+            None if src.is_empty() && self.arriving.is_none() => Ok(None),
             None => Err(FrameError::Truncated {
-                buffered: src.len(),
+                buffered: src.len()
+                    + self
+                        .arriving
+                        .as_ref()
+                        .map_or(0, |(_, header, payload)| header.len() + payload.received()),
             }),
         }
+    }
+}
+
+/// Once the room left in `src` runs low, makes room for more of a `frame_len`-byte frame: as
+/// much again as has arrived (at least MAX_RESERVE_AHEAD), so a large frame is copied a
+/// logarithmic number of times while a preamble alone still cannot make the decoder allocate
+/// much. A fresh buffer: `BytesMut::reserve` could keep the bytes of frames already handed out
+/// in front of it.
+fn make_room(src: &mut BytesMut, frame_len: usize) {
+    let missing = frame_len - src.len();
+    let room = src.capacity() - src.len();
+    if room < missing.min(MIN_ROOM) {
+        let ahead = src.len().max(MAX_RESERVE_AHEAD);
+        let wanted = frame_len.min(src.len().saturating_add(ahead));
+        let mut grown = BytesMut::with_capacity(wanted);
+        grown.extend_from_slice(src);
+        *src = grown;
     }
 }
 
@@ -372,325 +448,5 @@ pub enum FrameError {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used, clippy::expect_used)]
-mod tests {
-    use super::*;
-    use crate::messages::{Heartbeat, Hello};
-
-    fn hello() -> Hello {
-        Hello {
-            role: "generator".into(),
-            name: "gen-0".into(),
-            version: "0.1.0".into(),
-            credits: 1,
-            info: serde_json::Value::Null,
-        }
-    }
-
-    fn encode(frame: Frame) -> BytesMut {
-        let mut buf = BytesMut::new();
-        FrameCodec::new().encode(frame, &mut buf).unwrap();
-        buf
-    }
-
-    /// A preamble with the given fields, followed by nothing.
-    fn preamble(version: u8, kind: u16, flags: u16, header_len: u32, payload_len: u64) -> BytesMut {
-        let mut buf = BytesMut::new();
-        buf.put_slice(&MAGIC);
-        buf.put_u8(version);
-        buf.put_u16(kind);
-        buf.put_u16(flags);
-        buf.put_u32(header_len);
-        buf.put_u32(0);
-        buf.put_u64(payload_len);
-        buf
-    }
-
-    fn decode_err(mut buf: BytesMut) -> FrameError {
-        FrameCodec::new().decode(&mut buf).unwrap_err()
-    }
-
-    #[test]
-    fn layout_is_as_documented() {
-        let frame = Frame::encode_message(MessageKind::WeightsBucket, &Heartbeat { seq: 7 }, {
-            Bytes::from_static(b"xyz")
-        })
-        .unwrap();
-        let buf = encode(frame);
-        let header = br#"{"seq":7}"#;
-        let mut expected = vec![b'R', b'L', b'T', 1, 0, 20, 0, 0];
-        expected.extend_from_slice(&(header.len() as u32).to_be_bytes());
-        expected.extend_from_slice(&[0; 4]);
-        expected.extend_from_slice(&3u64.to_be_bytes());
-        expected.extend_from_slice(header);
-        expected.extend_from_slice(b"xyz");
-        assert_eq!(&buf[..], &expected[..]);
-    }
-
-    #[test]
-    fn kinds_round_trip_through_numbers() {
-        for kind in MessageKind::ALL {
-            assert_eq!(MessageKind::from_u16(kind.as_u16()), Some(kind));
-        }
-        assert_eq!(MessageKind::from_u16(0), None);
-        assert_eq!(MessageKind::from_u16(25), None);
-    }
-
-    #[test]
-    fn one_byte_chunks_decode_the_same() {
-        let payload = Bytes::from_static(&[1, 2, 3, 4, 5]);
-        let frame = Frame::encode_message(MessageKind::WeightsBucket, &hello(), payload).unwrap();
-        let wire = encode(frame.clone());
-        let mut codec = FrameCodec::new();
-        let mut buf = BytesMut::new();
-        for (i, byte) in wire.iter().enumerate() {
-            buf.put_u8(*byte);
-            let decoded = codec.decode(&mut buf).unwrap();
-            if i + 1 < wire.len() {
-                assert_eq!(decoded, None, "frame decoded early, at byte {i}");
-            } else {
-                assert_eq!(decoded.as_ref(), Some(&frame));
-            }
-        }
-        assert!(buf.is_empty());
-        assert_eq!(frame.decode_header::<Hello>().unwrap(), hello());
-    }
-
-    #[test]
-    fn back_to_back_frames() {
-        let first = Frame::from_message(&hello(), Bytes::new()).unwrap();
-        let payload = Bytes::from_static(b"payload");
-        let second =
-            Frame::encode_message(MessageKind::WeightsBucket, &Heartbeat { seq: 1 }, payload)
-                .unwrap();
-        let mut buf = encode(first.clone());
-        buf.extend_from_slice(&encode(second.clone()));
-        let mut codec = FrameCodec::new();
-        assert_eq!(codec.decode(&mut buf).unwrap(), Some(first));
-        assert_eq!(codec.decode(&mut buf).unwrap(), Some(second));
-        assert_eq!(codec.decode(&mut buf).unwrap(), None);
-        assert_eq!(codec.decode_eof(&mut buf).unwrap(), None);
-    }
-
-    #[test]
-    fn rejects_bad_magic_early() {
-        let err = decode_err(BytesMut::from(&b"GET / HTTP/1.1\r\n"[..]));
-        assert!(matches!(err, FrameError::BadMagic { .. }), "{err}");
-        assert_eq!(
-            err.to_string(),
-            "bad magic bytes \"GET\", expected \"RLT\" (not a Rollout peer?)"
-        );
-        // One wrong byte is enough; a right prefix waits for more.
-        let err = decode_err(BytesMut::from(&b"\x16"[..]));
-        assert!(matches!(err, FrameError::BadMagic { .. }), "{err}");
-        let mut codec = FrameCodec::new();
-        assert_eq!(codec.decode(&mut BytesMut::from(&b"RL"[..])).unwrap(), None);
-    }
-
-    #[test]
-    fn rejects_bad_preamble_fields() {
-        let err = decode_err(preamble(2, 1, 0, 0, 0));
-        assert!(
-            matches!(err, FrameError::UnsupportedVersion { found: 2 }),
-            "{err}"
-        );
-        let err = decode_err(preamble(1, 0, 0, 0, 0));
-        assert!(matches!(err, FrameError::UnknownKind(0)), "{err}");
-        let err = decode_err(preamble(1, 999, 0, 0, 0));
-        assert!(matches!(err, FrameError::UnknownKind(999)), "{err}");
-        let err = decode_err(preamble(1, 1, 0x8000, 0, 0));
-        assert!(matches!(err, FrameError::ReservedFlags(0x8000)), "{err}");
-        let mut buf = preamble(1, 1, 0, 0, 0);
-        buf[12..16].copy_from_slice(&[0, 0, 0, 1]);
-        let err = decode_err(buf);
-        assert!(matches!(err, FrameError::ReservedField(1)), "{err}");
-    }
-
-    #[test]
-    fn rejects_oversize_lengths_without_allocating() {
-        let mut buf = preamble(1, 1, 0, 0, u64::MAX);
-        let capacity = buf.capacity();
-        let err = FrameCodec::new().decode(&mut buf).unwrap_err();
-        assert!(
-            matches!(err, FrameError::PayloadTooLarge { len: u64::MAX, .. }),
-            "{err}"
-        );
-        assert_eq!(buf.capacity(), capacity);
-
-        let mut buf = preamble(1, 1, 0, u32::MAX, 0);
-        let err = FrameCodec::new().decode(&mut buf).unwrap_err();
-        assert!(matches!(err, FrameError::HeaderTooLarge { .. }), "{err}");
-        assert_eq!(buf.capacity(), capacity);
-
-        let codec = FrameCodec::new()
-            .with_max_header_bytes(10)
-            .with_max_payload_bytes(100);
-        let err = codec
-            .clone()
-            .decode(&mut preamble(1, 1, 0, 11, 0))
-            .unwrap_err();
-        assert!(
-            matches!(
-                err,
-                FrameError::HeaderTooLarge {
-                    len: 11,
-                    max: 10,
-                    ..
-                }
-            ),
-            "{err}"
-        );
-        let err = codec
-            .clone()
-            .decode(&mut preamble(1, 20, 0, 10, 101))
-            .unwrap_err();
-        assert_eq!(
-            err.to_string(),
-            "WeightsBucket payload of 101 bytes exceeds the limit of 100 bytes"
-        );
-        assert_eq!(
-            codec
-                .clone()
-                .decode(&mut preamble(1, 20, 0, 10, 100))
-                .unwrap(),
-            None
-        );
-    }
-
-    #[test]
-    fn large_valid_claim_reserves_only_a_bounded_amount() {
-        // 60 GiB is within the default limit, but only the preamble has arrived.
-        let mut buf = preamble(1, 10, 0, 2, 60 << 30);
-        assert_eq!(FrameCodec::new().decode(&mut buf).unwrap(), None);
-        assert!(buf.capacity() <= PREAMBLE_LEN + MAX_RESERVE_AHEAD);
-        // A small frame is reserved in full.
-        let mut buf = preamble(1, 10, 0, 2, 1000);
-        assert_eq!(FrameCodec::new().decode(&mut buf).unwrap(), None);
-        assert!(buf.capacity() >= PREAMBLE_LEN + 2 + 1000);
-    }
-
-    #[test]
-    fn each_kind_is_held_to_what_it_needs() {
-        // A heartbeat claiming a 1 MiB header, a generation request with a payload.
-        let err = decode_err(preamble(1, 2, 0, 1 << 20, 0));
-        assert_eq!(
-            err.to_string(),
-            "Heartbeat header of 1048576 bytes exceeds the limit of 65536 bytes"
-        );
-        let err = decode_err(preamble(1, 4, 0, 10, 1));
-        assert_eq!(
-            err.to_string(),
-            "GenerateRequest payload of 1 bytes exceeds the limit of 0 bytes"
-        );
-        // Bulk kinds keep the link's limits.
-        let mut buf = preamble(1, 4, 0, 100 << 20, 0);
-        assert_eq!(
-            FrameCodec::new()
-                .with_max_header_bytes(256 << 20)
-                .decode(&mut buf)
-                .unwrap(),
-            None
-        );
-    }
-
-    #[test]
-    fn a_large_frame_is_copied_a_logarithmic_number_of_times() {
-        let payload = 64usize << 20;
-        let mut buf = preamble(1, 20, 0, 2, payload as u64);
-        buf.extend_from_slice(b"{}");
-        let mut codec = FrameCodec::new();
-        let chunk = vec![0u8; 1 << 20];
-        let (mut grown, mut capacity) = (0, buf.capacity());
-        for _ in 0..payload / chunk.len() {
-            assert_eq!(codec.decode(&mut buf).unwrap(), None);
-            if buf.capacity() != capacity {
-                grown += 1;
-                capacity = buf.capacity();
-            }
-            // Never far more than has arrived.
-            assert!(buf.capacity() <= 2 * buf.len().max(MAX_RESERVE_AHEAD) + PREAMBLE_LEN + 2);
-            buf.extend_from_slice(&chunk);
-        }
-        let frame = codec.decode(&mut buf).unwrap().expect("the whole frame");
-        assert_eq!(frame.payload.len(), payload);
-        assert!(grown <= 4, "the buffer grew {grown} times");
-    }
-
-    #[test]
-    fn encoder_enforces_limits() {
-        let payload = Bytes::from_static(&[0; 8]);
-        let frame =
-            Frame::encode_message(MessageKind::WeightsBucket, &Heartbeat { seq: 0 }, payload)
-                .unwrap();
-        let mut buf = BytesMut::new();
-        let err = FrameCodec::new()
-            .with_max_payload_bytes(7)
-            .encode(frame.clone(), &mut buf)
-            .unwrap_err();
-        assert!(
-            matches!(err, FrameError::PayloadTooLarge { len: 8, max: 7, .. }),
-            "{err}"
-        );
-        let err = FrameCodec::new()
-            .with_max_header_bytes(2)
-            .encode(frame, &mut buf)
-            .unwrap_err();
-        assert!(
-            matches!(err, FrameError::HeaderTooLarge { max: 2, .. }),
-            "{err}"
-        );
-        assert!(buf.is_empty(), "nothing is written for a rejected frame");
-    }
-
-    #[test]
-    fn truncated_stream_is_an_error_at_eof() {
-        let wire = encode(Frame::from_message(&hello(), Bytes::new()).unwrap());
-        let mut buf = BytesMut::from(&wire[..wire.len() - 1]);
-        let err = FrameCodec::new().decode_eof(&mut buf).unwrap_err();
-        assert!(
-            matches!(err, FrameError::Truncated { buffered } if buffered == wire.len() - 1),
-            "{err}"
-        );
-    }
-
-    #[test]
-    fn header_errors() {
-        let frame = Frame {
-            kind: MessageKind::Hello,
-            header: Bytes::from_static(b"{not json"),
-            payload: Bytes::new(),
-        };
-        let err = frame.decode_message::<Hello>().unwrap_err();
-        assert!(matches!(err, FrameError::InvalidHeader { .. }), "{err}");
-        assert!(
-            err.to_string().starts_with("invalid Hello header: "),
-            "{err}"
-        );
-
-        let frame = Frame {
-            kind: MessageKind::Hello,
-            header: Bytes::from_static(b"{\"role\":\"\xff\xfe\",\"name\":\"a\",\"version\":\"1\"}"),
-            payload: Bytes::new(),
-        };
-        let err = frame.decode_message::<Hello>().unwrap_err();
-        assert!(
-            matches!(err, FrameError::InvalidHeader { .. }),
-            "not UTF-8: {err}"
-        );
-
-        // Well-formed JSON of another message: wrong kind, or wrong shape for the type.
-        let frame = Frame::from_message(&Heartbeat { seq: 3 }, Bytes::new()).unwrap();
-        let err = frame.decode_message::<Hello>().unwrap_err();
-        assert_eq!(err.to_string(), "expected a Hello frame, got Heartbeat");
-        let err = frame.decode_header::<Hello>().unwrap_err();
-        assert!(matches!(err, FrameError::InvalidHeader { .. }), "{err}");
-    }
-
-    #[test]
-    fn encode_header_error_is_typed() {
-        // JSON object keys must be strings.
-        let map = std::collections::BTreeMap::from([((1, 2), 3)]);
-        let err = Frame::encode_message(MessageKind::Hello, &map, Bytes::new()).unwrap_err();
-        assert!(matches!(err, FrameError::EncodeHeader { .. }), "{err}");
-    }
-}
+#[path = "frame_tests.rs"]
+mod tests;

@@ -3,6 +3,7 @@
 //!
 //! - [`messages`]: the message types, and [`MessageKind`], the number each travels under.
 //! - [`frame`]: [`Frame`] and [`FrameCodec`], a `tokio_util` codec for any byte stream.
+//! - [`payload`]: large payloads received into recycled buffers and hashed as they arrive.
 //! - [`tensor`]: safetensors-shaped tables laying out bulk tensors in a frame's payload.
 //! - [`auth`]: the challenge-response every TCP connection passes before a frame is read.
 //! - [`link`]: authenticated TCP connections between roles.
@@ -52,6 +53,7 @@ pub mod gate;
 pub mod heard;
 pub mod link;
 pub mod messages;
+pub mod payload;
 pub mod rpc;
 pub mod tensor;
 pub mod tls;
@@ -60,6 +62,7 @@ pub use auth::{AuthError, ClusterKey};
 pub use frame::{Frame, FrameCodec, FrameError};
 pub use link::{Link, LinkLimits, NetError};
 pub use messages::{Message, MessageKind};
+pub use payload::BufferPool;
 pub use rpc::{RpcClient, RpcServer};
 pub use tensor::{Dtype, TensorBytes, TensorError, TensorMeta, TensorPayloadBuilder, TensorTable};
 pub use tls::Encryption;

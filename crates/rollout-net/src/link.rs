@@ -13,6 +13,7 @@ use tokio_util::codec::Framed;
 use crate::auth::{AuthError, ClusterKey, authenticate_client, authenticate_server};
 use crate::frame::{Frame, FrameCodec};
 use crate::messages::Hello;
+use crate::payload::BufferPool;
 use crate::tls::{Encryption, Stream as LinkStream};
 
 /// Sizes, times and encryption every connection of a run agrees on.
@@ -30,6 +31,9 @@ pub struct LinkLimits {
     pub credits: u32,
     /// Which links are encrypted (`[cluster] tls`).
     pub encryption: Encryption,
+    /// Where links receive large payloads; clones share it, so every link of a process
+    /// reuses the buffers of payloads it is done with.
+    pub receive_buffers: BufferPool,
 }
 
 impl Default for LinkLimits {
@@ -42,6 +46,7 @@ impl Default for LinkLimits {
             handshake_timeout: Duration::from_secs(10),
             credits: 16,
             encryption: Encryption::LoopbackOnly,
+            receive_buffers: BufferPool::default(),
         }
     }
 }
@@ -104,6 +109,7 @@ fn codec(limits: &LinkLimits) -> FrameCodec {
     FrameCodec::new()
         .with_max_header_bytes(limits.max_header_bytes)
         .with_max_payload_bytes(limits.max_payload_bytes)
+        .with_pool(limits.receive_buffers.clone())
 }
 
 impl Link {

@@ -198,13 +198,14 @@ fn split(framed: Framed<LinkStream, FrameCodec>) -> (Sink, Stream) {
         }
     }
     let (read, write) = tokio::io::split(parts.io);
-    let mut reader = FramedRead::new(read, parts.codec.clone());
-    reader.read_buffer_mut().extend_from_slice(&read_ahead);
     let sink = Sink {
         stream: write,
-        codec,
+        codec: parts.codec,
         head: BytesMut::new(),
     };
+    // The same codec reads on: it may hold the start of a large payload from the read-ahead.
+    let mut reader = FramedRead::new(read, codec);
+    reader.read_buffer_mut().extend_from_slice(&read_ahead);
     (sink, futures_util::stream::iter(frames).chain(reader))
 }
 type Replies = mpsc::UnboundedSender<Result<Frame, NetError>>;

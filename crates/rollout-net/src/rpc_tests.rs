@@ -2,6 +2,8 @@
 
 use super::*;
 use crate::messages::Done;
+use futures_util::StreamExt;
+use tokio_util::codec::Encoder;
 
 /// A request that arrived together with the peer's greeting is served at once, not when
 /// the peer's next heartbeat brings more bytes (the ~2 s weight-sync stalls).
@@ -51,6 +53,44 @@ async fn a_request_read_ahead_with_the_greeting_is_served_without_more_bytes() {
     drop(client);
 }
 
+/// A large payload whose start came with the greeting continues where it left off: the
+/// codec that began it reads the rest.
+#[tokio::test]
+async fn a_large_payload_begun_in_the_read_ahead_arrives_whole() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mut client = tokio::net::TcpStream::connect(listener.local_addr().unwrap())
+        .await
+        .unwrap();
+    let (accepted, _) = listener.accept().await.unwrap();
+    let payload: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
+    let frame = Frame::encode_message(
+        MessageKind::WeightsBucket,
+        &"bucket",
+        Bytes::from(payload.clone()),
+    )
+    .unwrap();
+    let mut wire = BytesMut::new();
+    FrameCodec::new().encode(frame.clone(), &mut wire).unwrap();
+    let (read_ahead, rest) = wire.split_at(100_000);
+    let mut parts =
+        tokio_util::codec::FramedParts::new(LinkStream::Plain(accepted), FrameCodec::new());
+    parts.read_buf = BytesMut::from(read_ahead);
+    let (_sink, mut stream) = split(Framed::from_parts(parts));
+    tokio::io::AsyncWriteExt::write_all(&mut client, rest)
+        .await
+        .unwrap();
+    let received = tokio::time::timeout(Duration::from_secs(5), stream.next())
+        .await
+        .expect("the rest of the frame was read")
+        .unwrap()
+        .unwrap();
+    assert_eq!(received, frame);
+    assert_eq!(
+        received.payload_xxh3,
+        Some(xxhash_rust::xxh3::xxh3_128(&payload))
+    );
+}
+
 #[test]
 fn the_envelope_prefix_reads_like_the_full_parse() {
     for (call, more) in [(0, false), (7, true), (u64::MAX, false)] {
@@ -76,6 +116,7 @@ fn the_envelope_prefix_reads_like_the_full_parse() {
         kind: MessageKind::Done,
         header: Bytes::from_static(b"{\"more\":true,\"call\":3,\"body\":{}}"),
         payload: Bytes::new(),
+        payload_xxh3: None,
     };
     let head = EnvelopeHead::read(&frame).unwrap();
     assert_eq!((head.call, head.more), (3, true));

@@ -211,6 +211,7 @@ fn claims_cost_at_most_the_max_frame_size_after_other_frames() {
         kind: MessageKind::WeightsBucket,
         header: Bytes::from_static(b"{\"seq\":1}"),
         payload: Bytes::from(vec![7; MAX_PAYLOAD_BYTES as usize - 1000]),
+        payload_xxh3: None,
     };
     let mut wire = BytesMut::new();
     FIXTURE.codec.clone().encode(big, &mut wire).unwrap();

@@ -15,10 +15,10 @@ use rollout_net::gate::Gate;
 use rollout_net::link::{Link, LinkLimits};
 use rollout_net::messages::{Hello, PullWeights, WeightsBucket, WeightsReport};
 use rollout_net::rpc::{Incoming, Responder, RpcClient};
-use rollout_net::tensor::{TensorBytes, TensorMeta, checksum};
+use rollout_net::tensor::{TensorBytes, TensorMeta};
 use rollout_net::{ClusterKey, NetError};
 use tokio::net::TcpListener;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::watch;
 
 /// Folds bucket checksums, in order, into a version checksum.
 #[derive(Default)]
@@ -171,13 +171,13 @@ impl VersionBuffer {
 /// its bucket (not copied); one that travelled in pieces is joined into one buffer once its
 /// last piece is in.
 #[derive(Default)]
-pub struct TensorAssembler {
+struct TensorAssembler {
     joining: Option<Pieces>,
 }
 
 impl TensorAssembler {
     /// The tensors `bucket` completes.
-    pub fn add(&mut self, bucket: &Bucket) -> Result<Vec<TensorBytes>, WeightsError> {
+    fn add(&mut self, bucket: &Bucket) -> Result<Vec<TensorBytes>, WeightsError> {
         let mut tensors = Vec::new();
         for meta in &bucket.header.tensors.tensors {
             let start = meta.offset as usize;
@@ -205,7 +205,7 @@ impl TensorAssembler {
     }
 
     /// Checks that no tensor was left waiting for pieces.
-    pub fn finish(self) -> Result<(), WeightsError> {
+    fn finish(self) -> Result<(), WeightsError> {
         match self.joining {
             Some(pieces) => Err(pieces.broken("its last piece never arrived")),
             None => Ok(()),
@@ -401,14 +401,12 @@ impl WeightStore {
     }
 
     /// Pulls `report.version` from `source`, verifying each bucket before storing it here
-    /// (where this process's own weight server relays it on at once) and handing it to
-    /// `arrivals` (for the importer), then the whole version's checksum. `arrivals` closes
-    /// when the pull ends, whether or not it succeeded.
+    /// (where this process's own weight server relays it on at once), then the whole
+    /// version's checksum.
     pub async fn pull(
         &self,
         source: &RpcClient,
         report: &WeightsReport,
-        arrivals: Option<mpsc::UnboundedSender<Bucket>>,
     ) -> Result<Arc<VersionBuffer>, WeightsError> {
         let source_name = source.describe().to_owned();
         let mut call = source.call(
@@ -420,6 +418,8 @@ impl WeightStore {
         let mut buffer: Option<Arc<VersionBuffer>> = None;
         let mut version_hasher = VersionHasher::default();
         while let Some(frame) = call.next_frame().await? {
+            // Hashed by the decoder as the bytes arrived: no second pass over the payload.
+            let found = frame.payload_checksum();
             let (header, more, payload) = call.decode::<WeightsBucket>(frame)?;
             let corrupt = |reason: String| WeightsError::Corrupt {
                 version: report.version,
@@ -438,7 +438,6 @@ impl WeightStore {
                     header.version, header.index, header.count
                 )));
             }
-            let found = checksum(&payload);
             if found != header.checksum {
                 return Err(corrupt(format!(
                     "checksum {found}, the sender computed {}",
@@ -458,12 +457,7 @@ impl WeightStore {
                 return Err(corrupt("the bucket count changed mid-version".into()));
             }
             version_hasher.add(&header);
-            let bucket = Bucket { header, payload };
-            if let Some(arrivals) = &arrivals {
-                // An importer that gave up is no reason to stop relaying.
-                let _ = arrivals.send(bucket.clone());
-            }
-            target.push(bucket);
+            target.push(Bucket { header, payload });
         }
         let buffer = buffer.ok_or_else(|| WeightsError::Corrupt {
             version: report.version,

@@ -548,6 +548,7 @@ impl Fixture {
                     kind: seed.kind,
                     header: Bytes::from(header),
                     payload: seed.payload.clone(),
+                    payload_xxh3: None,
                 };
                 decode_frame(&frame);
                 Ok(())
@@ -583,6 +584,7 @@ impl Fixture {
                     kind: seed.kind,
                     header: Bytes::from(header),
                     payload: seed.payload.clone(),
+                    payload_xxh3: None,
                 };
                 match self.codec.clone().encode(frame, &mut wire) {
                     Ok(()) => wire.to_vec(),

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use rollout_core::cluster::buckets::ExportedVersion;
-use rollout_core::cluster::weights::Bucket;
+use rollout_core::cluster::weights::VersionBuffer;
 use rollout_core::config::{ClusterConfig, KeyPath, LoadedConfig, PluginConfig, TrainConfig};
 use rollout_core::roles::{Generator, Learner, RoleError, RoleFuture, SaveWritten, Tokenizer};
 use rollout_core::train::write_files;
@@ -13,7 +13,6 @@ use rollout_net::messages::{
     GenerateRequest, GenerateResponse, TrainRequest, TrainResponse, ValuesRequest, ValuesResponse,
     WeightsReport,
 };
-use tokio::sync::mpsc::UnboundedReceiver;
 use tracing::Instrument;
 
 use super::{boxed, seed_once, traced};
@@ -171,18 +170,19 @@ impl PolicyHost {
         Ok(())
     }
 
-    /// Imports the weight version whose verified buckets come on `arrivals`. Runs as one job
-    /// on the interpreter thread, so it falls between two engine steps, never inside one. From
-    /// here until [`PolicyHost::serve_version`] the weights may be part of one version, part
-    /// of another (if the policy's import fails midway), and generation refuses to run.
-    pub async fn import_arriving(
-        &self,
-        arrivals: UnboundedReceiver<Bucket>,
-    ) -> Result<(), RoleError> {
+    /// Imports a pulled (and verified) weight version, its tensors viewing the received
+    /// bytes. Runs as one job on the interpreter thread, so it falls between two engine
+    /// steps, never inside one. From here until [`PolicyHost::serve_version`] the weights may
+    /// be part of one version, part of another (if the policy's import fails midway), and
+    /// generation refuses to run.
+    pub async fn import_version(&self, version: &VersionBuffer) -> Result<(), RoleError> {
+        let tensors = version
+            .tensors()
+            .map_err(|err| RoleError::Protocol(err.to_string()))?;
         self.torn.store(true, Ordering::SeqCst);
         let policy = self.policy.clone();
         self.worker
-            .run(move |py| policy.import_arriving(py, arrivals))
+            .run(move |py| policy.import_received(py, tensors))
             .instrument(tracing::info_span!("weights.import"))
             .await??;
         Ok(())

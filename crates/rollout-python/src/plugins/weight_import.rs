@@ -1,33 +1,26 @@
-//! Weights received by a generation worker, handed to the policy bucket by bucket: its
-//! `import_weights` gets a `rollout_sdk.weights.StreamedWeights` mapping that yields each
-//! tensor once its bucket is in, as a read-only NumPy view of the received bytes (no dict of
-//! the whole version is built first).
-
-use std::collections::VecDeque;
+//! Weights received by a generation worker, handed to the policy: its `import_weights` gets a
+//! `rollout_sdk.weights.StreamedWeights` mapping that yields each tensor as a read-only NumPy
+//! view of the received bytes (no copy, and no dict of the whole version built first).
 
 use bytes::Bytes;
-use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use rollout_core::cluster::weights::{Bucket, TensorAssembler};
 use rollout_net::{Dtype, TensorBytes};
-use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::PluginError;
 use super::policy::PolicyPlugin;
 
 impl PolicyPlugin {
-    /// Replaces the weights with the version whose buckets come on `arrivals` (verified, in
-    /// order) through one call of `import_weights`. Returns once the policy does, which is
-    /// after the last bucket if it reads every tensor.
-    pub fn import_arriving(
+    /// Replaces the weights with a received version's `tensors` through one call of
+    /// `import_weights`.
+    pub fn import_received(
         &self,
         py: Python<'_>,
-        arrivals: UnboundedReceiver<Bucket>,
+        tensors: Vec<TensorBytes>,
     ) -> Result<(), PluginError> {
         let hook = "import_weights";
         let weights = (|| -> PyResult<Bound<'_, PyAny>> {
-            let tensors = Bound::new(py, ArrivingTensors::new(arrivals))?;
+            let tensors = Bound::new(py, ReceivedTensors(tensors.into_iter()))?;
             py.import("rollout_sdk.weights")?
                 .call_method1("StreamedWeights", (tensors,))
         })()
@@ -36,71 +29,22 @@ impl PolicyPlugin {
     }
 }
 
-/// The tensors of a version's buckets as they arrive: an iterator of `(name, array)` pairs
-/// that waits for the next bucket without holding the GIL. It raises if the buckets stop
-/// before the version's last one (the pull failed).
+/// A received version's tensors: an iterator of `(name, array)` pairs, each array made only
+/// when it is reached.
 #[pyclass]
-struct ArrivingTensors {
-    arrivals: UnboundedReceiver<Bucket>,
-    assembler: Option<TensorAssembler>,
-    ready: VecDeque<TensorBytes>,
-    /// The index and count of the last bucket in.
-    last: Option<(u32, u32)>,
-}
-
-impl ArrivingTensors {
-    fn new(arrivals: UnboundedReceiver<Bucket>) -> Self {
-        Self {
-            arrivals,
-            assembler: Some(TensorAssembler::default()),
-            ready: VecDeque::new(),
-            last: None,
-        }
-    }
-}
+struct ReceivedTensors(std::vec::IntoIter<TensorBytes>);
 
 #[pymethods]
-impl ArrivingTensors {
+impl ReceivedTensors {
     fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
         slf
     }
 
     fn __next__<'py>(&mut self, py: Python<'py>) -> PyResult<Option<(String, Bound<'py, PyAny>)>> {
-        loop {
-            if let Some(tensor) = self.ready.pop_front() {
-                let array = numpy_view(py, &tensor)?;
-                return Ok(Some((tensor.name, array)));
-            }
-            let Some(assembler) = self.assembler.as_mut() else {
-                return Ok(None);
-            };
-            let arrivals = &mut self.arrivals;
-            match py.detach(|| arrivals.blocking_recv()) {
-                Some(bucket) => {
-                    self.last = Some((bucket.header.index, bucket.header.count));
-                    let tensors = assembler
-                        .add(&bucket)
-                        .map_err(|err| PyRuntimeError::new_err(err.to_string()))?;
-                    self.ready.extend(tensors);
-                }
-                None => {
-                    let complete = self.last.is_some_and(|(index, count)| index + 1 == count);
-                    if let Some(assembler) = self.assembler.take() {
-                        assembler
-                            .finish()
-                            .map_err(|err| PyRuntimeError::new_err(err.to_string()))?;
-                    }
-                    if !complete {
-                        let (index, count) = self.last.map_or((0, 0), |(i, c)| (i + 1, c));
-                        return Err(PyRuntimeError::new_err(format!(
-                            "the weight version stopped arriving after {index} of {count} \
-                             buckets (its pull failed)"
-                        )));
-                    }
-                    return Ok(None);
-                }
-            }
-        }
+        self.0
+            .next()
+            .map(|tensor| Ok((tensor.name.clone(), numpy_view(py, &tensor)?)))
+            .transpose()
     }
 }
 

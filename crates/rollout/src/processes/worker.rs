@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use rollout_core::cluster::weights::{Bucket, VersionBuffer, WeightStore};
+use rollout_core::cluster::weights::{VersionBuffer, WeightStore};
 use rollout_core::config::LoadedConfig;
 use rollout_core::roles::{Generator, RoleError, Tokenizer};
 use rollout_net::link::Link;
@@ -43,11 +43,8 @@ enum Ordered {
     Memory(u64, GeneratorMemory, Span),
 }
 
-/// A weight pull under way: its outcome, and its verified buckets as they arrive.
-struct Pull {
-    outcome: tokio::task::JoinHandle<Result<Arc<VersionBuffer>, ClusterError>>,
-    arrivals: mpsc::UnboundedReceiver<Bucket>,
-}
+/// A weight pull under way: the verified version, once all of it is in.
+type Pull = tokio::task::JoinHandle<Result<Arc<VersionBuffer>, ClusterError>>;
 
 /// Why a worker stopped serving a connection.
 enum Ended {
@@ -221,18 +218,16 @@ impl Serving<'_> {
         let (store, key) = (self.store.clone(), self.args.key.clone());
         let source_hello = hello("worker", self.args, serde_json::Value::Null);
         let limits = self.args.limits.clone();
-        let (arrived, arrivals) = mpsc::unbounded_channel();
-        let outcome = tokio::spawn(
+        tokio::spawn(
             async move {
                 let source = Link::connect(&report.source, &key, &source_hello, &limits)
                     .instrument(tracing::info_span!("weights.connect"))
                     .await?
                     .client();
-                Ok(store.pull(&source, &report, Some(arrived)).await?)
+                Ok(store.pull(&source, &report).await?)
             }
             .instrument(span),
-        );
-        Pull { outcome, arrivals }
+        )
     }
 }
 
@@ -298,8 +293,8 @@ async fn set_memory(
     Ok(())
 }
 
-/// Imports the pulled version once the pull has verified all of it (its buckets wait in
-/// `pull.arrivals`), so a pull that fails midway leaves the weights as they were.
+/// Imports the pulled version once the pull has verified all of it, so a pull that fails
+/// midway leaves the weights as they were.
 async fn swap_in(
     host: &PolicyHost,
     pull: Pull,
@@ -308,11 +303,10 @@ async fn swap_in(
 ) -> Result<WeightsReport, RoleError> {
     let started = std::time::Instant::now();
     let buffer = pull
-        .outcome
         .await
         .map_err(|err| RoleError::Runtime(format!("the weight pull failed: {err}")))?
         .map_err(|err| RoleError::Protocol(err.to_string()))?;
-    host.import_arriving(pull.arrivals).await?;
+    host.import_version(&buffer).await?;
     host.serve_version(report.version);
     tracing::debug!(
         "serving weight version {} ({} bytes, {:.3} s after the request)",

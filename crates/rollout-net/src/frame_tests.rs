@@ -1,0 +1,392 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use super::*;
+use crate::messages::{Heartbeat, Hello};
+use crate::payload::BufferPool;
+
+fn hello() -> Hello {
+    Hello {
+        role: "generator".into(),
+        name: "gen-0".into(),
+        version: "0.1.0".into(),
+        credits: 1,
+        info: serde_json::Value::Null,
+    }
+}
+
+fn encode(frame: Frame) -> BytesMut {
+    let mut buf = BytesMut::new();
+    FrameCodec::new().encode(frame, &mut buf).unwrap();
+    buf
+}
+
+/// A preamble with the given fields, followed by nothing.
+fn preamble(version: u8, kind: u16, flags: u16, header_len: u32, payload_len: u64) -> BytesMut {
+    let mut buf = BytesMut::new();
+    buf.put_slice(&MAGIC);
+    buf.put_u8(version);
+    buf.put_u16(kind);
+    buf.put_u16(flags);
+    buf.put_u32(header_len);
+    buf.put_u32(0);
+    buf.put_u64(payload_len);
+    buf
+}
+
+fn decode_err(mut buf: BytesMut) -> FrameError {
+    FrameCodec::new().decode(&mut buf).unwrap_err()
+}
+
+#[test]
+fn layout_is_as_documented() {
+    let frame = Frame::encode_message(MessageKind::WeightsBucket, &Heartbeat { seq: 7 }, {
+        Bytes::from_static(b"xyz")
+    })
+    .unwrap();
+    let buf = encode(frame);
+    let header = br#"{"seq":7}"#;
+    let mut expected = vec![b'R', b'L', b'T', 1, 0, 20, 0, 0];
+    expected.extend_from_slice(&(header.len() as u32).to_be_bytes());
+    expected.extend_from_slice(&[0; 4]);
+    expected.extend_from_slice(&3u64.to_be_bytes());
+    expected.extend_from_slice(header);
+    expected.extend_from_slice(b"xyz");
+    assert_eq!(&buf[..], &expected[..]);
+}
+
+#[test]
+fn kinds_round_trip_through_numbers() {
+    for kind in MessageKind::ALL {
+        assert_eq!(MessageKind::from_u16(kind.as_u16()), Some(kind));
+    }
+    assert_eq!(MessageKind::from_u16(0), None);
+    assert_eq!(MessageKind::from_u16(25), None);
+}
+
+#[test]
+fn one_byte_chunks_decode_the_same() {
+    let payload = Bytes::from_static(&[1, 2, 3, 4, 5]);
+    let frame = Frame::encode_message(MessageKind::WeightsBucket, &hello(), payload).unwrap();
+    let wire = encode(frame.clone());
+    let mut codec = FrameCodec::new();
+    let mut buf = BytesMut::new();
+    for (i, byte) in wire.iter().enumerate() {
+        buf.put_u8(*byte);
+        let decoded = codec.decode(&mut buf).unwrap();
+        if i + 1 < wire.len() {
+            assert_eq!(decoded, None, "frame decoded early, at byte {i}");
+        } else {
+            assert_eq!(decoded.as_ref(), Some(&frame));
+        }
+    }
+    assert!(buf.is_empty());
+    assert_eq!(frame.decode_header::<Hello>().unwrap(), hello());
+}
+
+#[test]
+fn back_to_back_frames() {
+    let first = Frame::from_message(&hello(), Bytes::new()).unwrap();
+    let payload = Bytes::from_static(b"payload");
+    let second =
+        Frame::encode_message(MessageKind::WeightsBucket, &Heartbeat { seq: 1 }, payload).unwrap();
+    let mut buf = encode(first.clone());
+    buf.extend_from_slice(&encode(second.clone()));
+    let mut codec = FrameCodec::new();
+    assert_eq!(codec.decode(&mut buf).unwrap(), Some(first));
+    assert_eq!(codec.decode(&mut buf).unwrap(), Some(second));
+    assert_eq!(codec.decode(&mut buf).unwrap(), None);
+    assert_eq!(codec.decode_eof(&mut buf).unwrap(), None);
+}
+
+#[test]
+fn rejects_bad_magic_early() {
+    let err = decode_err(BytesMut::from(&b"GET / HTTP/1.1\r\n"[..]));
+    assert!(matches!(err, FrameError::BadMagic { .. }), "{err}");
+    assert_eq!(
+        err.to_string(),
+        "bad magic bytes \"GET\", expected \"RLT\" (not a Rollout peer?)"
+    );
+    // One wrong byte is enough; a right prefix waits for more.
+    let err = decode_err(BytesMut::from(&b"\x16"[..]));
+    assert!(matches!(err, FrameError::BadMagic { .. }), "{err}");
+    let mut codec = FrameCodec::new();
+    assert_eq!(codec.decode(&mut BytesMut::from(&b"RL"[..])).unwrap(), None);
+}
+
+#[test]
+fn rejects_bad_preamble_fields() {
+    let err = decode_err(preamble(2, 1, 0, 0, 0));
+    assert!(
+        matches!(err, FrameError::UnsupportedVersion { found: 2 }),
+        "{err}"
+    );
+    let err = decode_err(preamble(1, 0, 0, 0, 0));
+    assert!(matches!(err, FrameError::UnknownKind(0)), "{err}");
+    let err = decode_err(preamble(1, 999, 0, 0, 0));
+    assert!(matches!(err, FrameError::UnknownKind(999)), "{err}");
+    let err = decode_err(preamble(1, 1, 0x8000, 0, 0));
+    assert!(matches!(err, FrameError::ReservedFlags(0x8000)), "{err}");
+    let mut buf = preamble(1, 1, 0, 0, 0);
+    buf[12..16].copy_from_slice(&[0, 0, 0, 1]);
+    let err = decode_err(buf);
+    assert!(matches!(err, FrameError::ReservedField(1)), "{err}");
+}
+
+#[test]
+fn rejects_oversize_lengths_without_allocating() {
+    let mut buf = preamble(1, 1, 0, 0, u64::MAX);
+    let capacity = buf.capacity();
+    let err = FrameCodec::new().decode(&mut buf).unwrap_err();
+    assert!(
+        matches!(err, FrameError::PayloadTooLarge { len: u64::MAX, .. }),
+        "{err}"
+    );
+    assert_eq!(buf.capacity(), capacity);
+
+    let mut buf = preamble(1, 1, 0, u32::MAX, 0);
+    let err = FrameCodec::new().decode(&mut buf).unwrap_err();
+    assert!(matches!(err, FrameError::HeaderTooLarge { .. }), "{err}");
+    assert_eq!(buf.capacity(), capacity);
+
+    let codec = FrameCodec::new()
+        .with_max_header_bytes(10)
+        .with_max_payload_bytes(100);
+    let err = codec
+        .clone()
+        .decode(&mut preamble(1, 1, 0, 11, 0))
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            FrameError::HeaderTooLarge {
+                len: 11,
+                max: 10,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let err = codec
+        .clone()
+        .decode(&mut preamble(1, 20, 0, 10, 101))
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "WeightsBucket payload of 101 bytes exceeds the limit of 100 bytes"
+    );
+    assert_eq!(
+        codec
+            .clone()
+            .decode(&mut preamble(1, 20, 0, 10, 100))
+            .unwrap(),
+        None
+    );
+}
+
+#[test]
+fn large_valid_claim_reserves_only_a_bounded_amount() {
+    // 60 GiB is within the default limit, but only the preamble has arrived.
+    let mut buf = preamble(1, 10, 0, 2, 60 << 30);
+    assert_eq!(FrameCodec::new().decode(&mut buf).unwrap(), None);
+    assert!(buf.capacity() <= PREAMBLE_LEN + MAX_RESERVE_AHEAD);
+    // A small frame is reserved in full.
+    let mut buf = preamble(1, 10, 0, 2, 1000);
+    assert_eq!(FrameCodec::new().decode(&mut buf).unwrap(), None);
+    assert!(buf.capacity() >= PREAMBLE_LEN + 2 + 1000);
+}
+
+#[test]
+fn each_kind_is_held_to_what_it_needs() {
+    // A heartbeat claiming a 1 MiB header, a generation request with a payload.
+    let err = decode_err(preamble(1, 2, 0, 1 << 20, 0));
+    assert_eq!(
+        err.to_string(),
+        "Heartbeat header of 1048576 bytes exceeds the limit of 65536 bytes"
+    );
+    let err = decode_err(preamble(1, 4, 0, 10, 1));
+    assert_eq!(
+        err.to_string(),
+        "GenerateRequest payload of 1 bytes exceeds the limit of 0 bytes"
+    );
+    // Bulk kinds keep the link's limits.
+    let mut buf = preamble(1, 4, 0, 100 << 20, 0);
+    assert_eq!(
+        FrameCodec::new()
+            .with_max_header_bytes(256 << 20)
+            .decode(&mut buf)
+            .unwrap(),
+        None
+    );
+}
+
+#[test]
+fn a_large_payload_grows_its_buffer_a_logarithmic_number_of_times() {
+    let payload = 64usize << 20;
+    let mut buf = preamble(1, 20, 0, 2, payload as u64);
+    buf.extend_from_slice(b"{}");
+    let mut codec = FrameCodec::new();
+    let chunk = vec![0u8; 1 << 20];
+    let (mut grown, mut capacity) = (0, 0);
+    for _ in 0..payload / chunk.len() {
+        assert_eq!(codec.decode(&mut buf).unwrap(), None);
+        let (_, _, arriving) = codec.arriving.as_ref().expect("a payload under way");
+        if arriving.capacity() != capacity {
+            grown += 1;
+            capacity = arriving.capacity();
+        }
+        // Never far more than has arrived, and the read buffer is emptied as it goes.
+        assert!(capacity <= 2 * arriving.received().max(8 << 20));
+        assert!(buf.is_empty());
+        buf.extend_from_slice(&chunk);
+    }
+    let frame = codec.decode(&mut buf).unwrap().expect("the whole frame");
+    assert_eq!(frame.payload.len(), payload);
+    assert_eq!(frame.header, Bytes::from_static(b"{}"));
+    assert!(grown <= 4, "the buffer grew {grown} times");
+}
+
+fn bucket_frame(payload: Vec<u8>) -> Frame {
+    Frame::encode_message(MessageKind::WeightsBucket, &"bucket", Bytes::from(payload)).unwrap()
+}
+
+#[test]
+fn a_large_payload_is_hashed_as_it_arrives_in_any_chunks() {
+    let payload: Vec<u8> = (0..200_000u32).map(|i| (i % 253) as u8).collect();
+    let frame = bucket_frame(payload.clone());
+    let small = Frame::from_message(&hello(), Bytes::new()).unwrap();
+    let mut wire = encode(frame.clone());
+    wire.extend_from_slice(&encode(small.clone()));
+    for chunk in [1000, 65_536, wire.len()] {
+        let mut codec = FrameCodec::new();
+        let mut buf = BytesMut::new();
+        let mut decoded = Vec::new();
+        for piece in wire.chunks(chunk) {
+            buf.extend_from_slice(piece);
+            while let Some(frame) = codec.decode(&mut buf).unwrap() {
+                decoded.push(frame);
+            }
+        }
+        assert_eq!(
+            decoded,
+            vec![frame.clone(), small.clone()],
+            "chunks of {chunk}"
+        );
+        let digest = xxhash_rust::xxh3::xxh3_128(&payload);
+        assert_eq!(decoded[0].payload_xxh3, Some(digest));
+        assert_eq!(
+            decoded[0].payload_checksum(),
+            crate::tensor::checksum(&payload)
+        );
+        assert_eq!(decoded[1].payload_xxh3, None);
+    }
+}
+
+#[test]
+fn received_payloads_land_in_the_buffers_of_dropped_ones() {
+    let pool = BufferPool::default();
+    let mut codec = FrameCodec::new().with_pool(pool.clone());
+    let mut receive = |fill: u8| {
+        let mut buf = encode(bucket_frame(vec![fill; 1 << 20]));
+        codec.decode(&mut buf).unwrap().expect("a whole frame")
+    };
+    let first = receive(1);
+    let address = first.payload.as_ptr();
+    drop(first);
+    assert!(pool.free_bytes() >= 1 << 20);
+    let second = receive(2);
+    assert_eq!(second.payload.as_ptr(), address);
+    assert!(second.payload.iter().all(|&b| b == 2));
+    assert_eq!(
+        second.payload_xxh3,
+        Some(xxhash_rust::xxh3::xxh3_128(&[2u8; 1 << 20]))
+    );
+}
+
+#[test]
+fn encoder_enforces_limits() {
+    let payload = Bytes::from_static(&[0; 8]);
+    let frame =
+        Frame::encode_message(MessageKind::WeightsBucket, &Heartbeat { seq: 0 }, payload).unwrap();
+    let mut buf = BytesMut::new();
+    let err = FrameCodec::new()
+        .with_max_payload_bytes(7)
+        .encode(frame.clone(), &mut buf)
+        .unwrap_err();
+    assert!(
+        matches!(err, FrameError::PayloadTooLarge { len: 8, max: 7, .. }),
+        "{err}"
+    );
+    let err = FrameCodec::new()
+        .with_max_header_bytes(2)
+        .encode(frame, &mut buf)
+        .unwrap_err();
+    assert!(
+        matches!(err, FrameError::HeaderTooLarge { max: 2, .. }),
+        "{err}"
+    );
+    assert!(buf.is_empty(), "nothing is written for a rejected frame");
+}
+
+#[test]
+fn truncated_stream_is_an_error_at_eof() {
+    let wire = encode(Frame::from_message(&hello(), Bytes::new()).unwrap());
+    let mut buf = BytesMut::from(&wire[..wire.len() - 1]);
+    let err = FrameCodec::new().decode_eof(&mut buf).unwrap_err();
+    assert!(
+        matches!(err, FrameError::Truncated { buffered } if buffered == wire.len() - 1),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_stream_ending_inside_a_large_payload_is_an_error_at_eof() {
+    let wire = encode(bucket_frame(vec![5u8; 100_000]));
+    let mut buf = BytesMut::from(&wire[..wire.len() - 10]);
+    let mut codec = FrameCodec::new();
+    assert_eq!(codec.decode(&mut buf).unwrap(), None);
+    let err = codec.decode_eof(&mut buf).unwrap_err();
+    assert!(matches!(err, FrameError::Truncated { .. }), "{err}");
+}
+
+#[test]
+fn header_errors() {
+    let frame = Frame {
+        kind: MessageKind::Hello,
+        header: Bytes::from_static(b"{not json"),
+        payload: Bytes::new(),
+        payload_xxh3: None,
+    };
+    let err = frame.decode_message::<Hello>().unwrap_err();
+    assert!(matches!(err, FrameError::InvalidHeader { .. }), "{err}");
+    assert!(
+        err.to_string().starts_with("invalid Hello header: "),
+        "{err}"
+    );
+
+    let frame = Frame {
+        kind: MessageKind::Hello,
+        header: Bytes::from_static(b"{\"role\":\"\xff\xfe\",\"name\":\"a\",\"version\":\"1\"}"),
+        payload: Bytes::new(),
+        payload_xxh3: None,
+    };
+    let err = frame.decode_message::<Hello>().unwrap_err();
+    assert!(
+        matches!(err, FrameError::InvalidHeader { .. }),
+        "not UTF-8: {err}"
+    );
+
+    // Well-formed JSON of another message: wrong kind, or wrong shape for the type.
+    let frame = Frame::from_message(&Heartbeat { seq: 3 }, Bytes::new()).unwrap();
+    let err = frame.decode_message::<Hello>().unwrap_err();
+    assert_eq!(err.to_string(), "expected a Hello frame, got Heartbeat");
+    let err = frame.decode_header::<Hello>().unwrap_err();
+    assert!(matches!(err, FrameError::InvalidHeader { .. }), "{err}");
+}
+
+#[test]
+fn encode_header_error_is_typed() {
+    // JSON object keys must be strings.
+    let map = std::collections::BTreeMap::from([((1, 2), 3)]);
+    let err = Frame::encode_message(MessageKind::Hello, &map, Bytes::new()).unwrap_err();
+    assert!(matches!(err, FrameError::EncodeHeader { .. }), "{err}");
+}
