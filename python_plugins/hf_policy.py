@@ -494,8 +494,8 @@ class HFCausalLM(Policy):
         generation worker writes its weights); weights at hand are checked whole first, so a
         bad mapping changes nothing."""
         params = dict(self.trainable)
-        arriving = isinstance(weights, StreamedWeights)
-        if not arriving:
+        streamed = isinstance(weights, StreamedWeights)
+        if not streamed:
             for name, value in weights.items():
                 _check_import(name, value, params)
             _check_complete(weights.keys(), params)
@@ -507,7 +507,7 @@ class HFCausalLM(Policy):
                 _check_import(name, value, params)
                 received = torch.from_numpy(np.asarray(value))
                 param = params[name]
-                if arriving and _can_alias(param, received):
+                if streamed and _can_alias(param, received):
                     param.data = received
                 else:
                     param.copy_(received)

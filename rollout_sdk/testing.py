@@ -223,7 +223,7 @@ def check_policy(
         snapshot = None
     with tempfile.TemporaryDirectory() as directory:
         policy.save(directory)
-        # As a weight sync hands them over: tensors that arrive while they are read.
+        # As a weight sync hands them over: one tensor at a time, as the mapping is read.
         policy.import_weights(StreamedWeights(iter(before.items())))
         restored = policy.export_weights()
         _require(

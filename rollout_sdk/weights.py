@@ -19,21 +19,21 @@ class StreamedWeights(Mapping[str, np.ndarray]):
     where the mapping is read.
     """
 
-    def __init__(self, arrivals: Iterator[tuple[str, np.ndarray]]) -> None:
-        self._arrivals: Iterator[tuple[str, np.ndarray]] | None = arrivals
-        self._arrived: dict[str, np.ndarray] = {}
+    def __init__(self, source: Iterator[tuple[str, np.ndarray]]) -> None:
+        self._source: Iterator[tuple[str, np.ndarray]] | None = source
+        self._taken: dict[str, np.ndarray] = {}
         self._order: list[str] = []
 
     def _receive(self) -> bool:
-        """Takes the next tensor in; False once every tensor has arrived."""
-        if self._arrivals is None:
+        """Takes the next tensor in; False once every tensor is in."""
+        if self._source is None:
             return False
         try:
-            name, array = next(self._arrivals)
+            name, array = next(self._source)
         except StopIteration:
-            self._arrivals = None
+            self._source = None
             return False
-        self._arrived[name] = array
+        self._taken[name] = array
         self._order.append(name)
         return True
 
@@ -44,10 +44,10 @@ class StreamedWeights(Mapping[str, np.ndarray]):
             index += 1
 
     def __getitem__(self, name: str) -> np.ndarray:
-        while name not in self._arrived:
+        while name not in self._taken:
             if not self._receive():
                 raise KeyError(name)
-        return self._arrived[name]
+        return self._taken[name]
 
     def __len__(self) -> int:
         while self._receive():

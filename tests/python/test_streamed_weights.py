@@ -1,4 +1,4 @@
-"""Weights handed to ``import_weights`` while they arrive (``rollout_sdk.weights.StreamedWeights``)."""
+"""Weights handed to ``import_weights`` one tensor at a time (``rollout_sdk.weights.StreamedWeights``)."""
 
 from __future__ import annotations
 

@@ -41,10 +41,11 @@ impl ReceivedTensors {
     }
 
     fn __next__<'py>(&mut self, py: Python<'py>) -> PyResult<Option<(String, Bound<'py, PyAny>)>> {
-        self.0
-            .next()
-            .map(|tensor| Ok((tensor.name.clone(), numpy_view(py, &tensor)?)))
-            .transpose()
+        let Some(tensor) = self.0.next() else {
+            return Ok(None);
+        };
+        let array = numpy_view(py, &tensor)?;
+        Ok(Some((tensor.name, array)))
     }
 }
 
