@@ -14,8 +14,8 @@ pub const POOLED_PAYLOAD_BYTES: usize = 64 << 10;
 /// Default [`BufferPool::new`] bound on the bytes kept for reuse: 16 GiB.
 pub const DEFAULT_POOL_BYTES: usize = 16 << 30;
 
-/// The most a payload buffer grows by ahead of the bytes that have arrived: a peer's claim
-/// alone never makes the receiver allocate much.
+/// A payload buffer grows to at most this far, or as far again as has arrived, ahead of the
+/// bytes that have arrived: a peer's claim alone never makes the receiver allocate much.
 const MAX_GROWTH_AHEAD: usize = 8 << 20;
 
 /// Receive buffers of payloads that are no longer used, kept for the next ones. A payload's
