@@ -19,7 +19,13 @@ from transformers import PreTrainedModel
 
 from python_plugins.engine_inputs import StepLayout, check_step
 from python_plugins.engine_sampling import RowSampling, propose, verify
-from python_plugins.paged_attention import AttentionPlan, CacheGeometry, PagedKvCache, paged_forward
+from python_plugins.paged_attention import (
+    AttentionPlan,
+    CacheGeometry,
+    PagedKvCache,
+    has_sliding_windows,
+    paged_forward,
+)
 from rollout_sdk import EngineStep, EngineStepOutput, KvLayout
 
 __all__ = ["EngineRunner", "PagedModel", "available_memory", "releases_memory"]
@@ -41,6 +47,8 @@ class PagedModel:
         self.model = model
         text_config = model.config.get_text_config()
         self.geometry = CacheGeometry.of(model.config)
+        #: Whether decodes forked from one prompt may read their common prefix once.
+        self.shares_prefixes = not has_sliding_windows(model.config)
         self.vocab_size: int = text_config.vocab_size
         self.max_positions: int = text_config.max_position_embeddings
         self.cache: PagedKvCache | None = None
@@ -173,6 +181,7 @@ class EngineRunner:
             context_slots=step.context_slots,
             context_lens=step.context_lens,
             device=self.device,
+            shared_prefixes=self.target.shares_prefixes,
         )
         read, row_of_read = np.unique(layout.logit_tokens, return_inverse=True)
         logits = self._logits(self.target, input_ids, positions, plan, self._tensor(read))
@@ -213,6 +222,7 @@ class EngineRunner:
             context_slots=step.context_slots,
             context_lens=step.context_lens - pending,
             device=self.device,
+            shared_prefixes=draft.shares_prefixes,
         )
         draft_lens = step.draft_lens if step.draft_with_model else np.zeros_like(step.draft_lens)
         proposing = np.flatnonzero(draft_lens > 0)
@@ -239,6 +249,7 @@ class EngineRunner:
                 context_slots=step.context_slots[sequences],
                 context_lens=step.context_lens[sequences] - draft_lens[proposing] + index + 1,
                 device=self.device,
+                shared_prefixes=draft.shares_prefixes,
             )
             continuing = draft_lens[proposing] > index + 1
             logits = self._logits(

@@ -14,6 +14,7 @@ returns ``None`` early), so the only mask is the per-step one built here.
 from __future__ import annotations
 
 import math
+import mmap
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -23,7 +24,16 @@ import numpy as np
 import torch
 from transformers import AttentionInterface, PreTrainedConfig, PreTrainedModel
 
-__all__ = ["ATTENTION_NAME", "AttentionPlan", "CacheGeometry", "PagedKvCache", "paged_forward"]
+from python_plugins.cascade_attention import SharedPrefixes, attend_with_shared_prefixes, find_shared_prefixes
+
+__all__ = [
+    "ATTENTION_NAME",
+    "AttentionPlan",
+    "CacheGeometry",
+    "PagedKvCache",
+    "has_sliding_windows",
+    "paged_forward",
+]
 
 ATTENTION_NAME = "rollout_paged"
 
@@ -47,6 +57,16 @@ class CacheGeometry:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim
 
 
+def has_sliding_windows(config: PreTrainedConfig) -> bool:
+    """Whether any layer may attend over a sliding window: such a model's plans cannot attend
+    shared prefixes (``AttentionPlan(shared_prefixes=False)``)."""
+    text = config.get_text_config()
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types is not None:
+        return "sliding_attention" in layer_types
+    return getattr(text, "sliding_window", None) is not None
+
+
 class PagedKvCache:
     """Keys and values of ``num_slots`` tokens in every layer: ``[layers, 2, slots, heads, dim]``."""
 
@@ -55,10 +75,12 @@ class PagedKvCache:
     ) -> None:
         shape = (geometry.num_layers, 2, num_slots, geometry.num_kv_heads, geometry.head_dim)
         if device.type == "cpu":
-            # calloc'd memory: the kernel maps zero pages lazily, so the cache costs resident
-            # memory only for the blocks the engine writes (`torch.zeros` touches all of it).
-            nbytes = math.prod(shape) * dtype.itemsize
-            self.kv = torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+            # An anonymous mapping: the kernel maps zero pages lazily, so the cache costs
+            # resident memory only for the blocks the engine writes (`torch.zeros` touches all
+            # of it). Not `np.zeros`: NumPy advises huge pages for large arrays, and where the
+            # kernel then compacts memory on every fault, first writes cost several times more.
+            mapping = mmap.mmap(-1, math.prod(shape) * dtype.itemsize)
+            self.kv = torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(shape)
         else:
             self.kv = torch.zeros(shape, device=device, dtype=dtype)
 
@@ -108,13 +130,23 @@ class _QueryGroup:
         return self.windowed[sliding_window]
 
 
+@dataclass(frozen=True, slots=True)
+class _FamilyGroup:
+    """Single-query sequences forked from shared prefixes, attended by :mod:`cascade_attention`."""
+
+    tokens: torch.Tensor  # [B] the packed query token of each sequence
+    prefixes: SharedPrefixes
+
+
 class AttentionPlan:
     """Index tensors of one packed forward, built once and shared by all layers.
 
     Sequence ``s`` owns the packed tokens ``query_start[s]:query_start[s + 1]``, which are the
     last tokens of its context ``context_slots[s, :context_lens[s]]``. Single-token queries
     (decodes) and longer ones (prefill chunks, drafts to verify) are attended in separate
-    groups so that a long prefill chunk does not pad every decode to its length.
+    groups so that a long prefill chunk does not pad every decode to its length. With
+    ``shared_prefixes``, decodes whose contexts start with the same slots (the samples of one
+    prompt) are attended as families that read their common prefix once.
     """
 
     def __init__(
@@ -125,14 +157,23 @@ class AttentionPlan:
         context_slots: np.ndarray,
         context_lens: np.ndarray,
         device: torch.device,
+        shared_prefixes: bool = True,
     ) -> None:
         self.num_tokens = len(slot_mapping)
         self.slot_mapping = torch.tensor(slot_mapping, dtype=torch.long, device=device)
         query_lens = np.diff(query_start)
-        single = query_lens == 1
+        single = np.flatnonzero(query_lens == 1)
+        self.families: _FamilyGroup | None = None
+        if shared_prefixes and len(single) > 1:
+            found = find_shared_prefixes(context_slots[single], context_lens[single], device)
+            if found is not None:
+                positions, prefixes = found
+                tokens = torch.tensor(query_start[single[positions]], dtype=torch.long, device=device)
+                self.families = _FamilyGroup(tokens, prefixes)
+                single = np.delete(single, positions)
         self.groups = [
             _build_group(members, query_start, query_lens, context_slots, context_lens, device)
-            for members in (np.flatnonzero(single), np.flatnonzero(~single))
+            for members in (single, np.flatnonzero(query_lens != 1))
             if len(members) > 0
         ]
 
@@ -236,7 +277,17 @@ def paged_attention_forward(
     queries = query[0].transpose(0, 1)  # [T, heads, dim]
     heads, head_dim = queries.shape[1:]
     kv_heads = cache.shape[2]
-    outputs = []
+    outputs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (packed tokens, their outputs)
+    if plan.families is not None:
+        if sliding_window is not None:
+            raise RuntimeError(
+                f"layer {module.layer_idx} attends over a sliding window, which shared-prefix "
+                "attention does not support: build the plan with `shared_prefixes=False`"
+            )
+        scale = scaling if scaling is not None else head_dim**-0.5
+        family_queries = queries.index_select(0, plan.families.tokens)
+        attended = attend_with_shared_prefixes(family_queries, cache, plan.families.prefixes, scale)
+        outputs.append((plan.families.tokens, attended))
     for group in plan.groups:
         sequences, longest_query, longest_context = group.shape
         grouped = queries.index_select(0, group.query_index)
@@ -256,13 +307,13 @@ def paged_attention_forward(
             enable_gqa=kv_heads != heads,
         )
         flat = attended.transpose(1, 2).reshape(sequences * longest_query, heads, head_dim)
-        outputs.append(flat.index_select(0, group.real_queries))
-    if len(plan.groups) == 1:
+        outputs.append((group.tokens, flat.index_select(0, group.real_queries)))
+    if len(outputs) == 1:
         # One group holds every sequence in packed order.
-        return outputs[0][None], None
+        return outputs[0][1][None], None
     packed = queries.new_empty((plan.num_tokens, heads, head_dim))
-    for group, output in zip(plan.groups, outputs, strict=True):
-        packed.index_copy_(0, group.tokens, output)
+    for tokens, output in outputs:
+        packed.index_copy_(0, tokens, output)
     return packed[None], None
 
 

@@ -11,7 +11,13 @@ import torch
 from transformers import AutoModelForCausalLM, masking_utils
 
 from python_plugins.engine_runner import PagedModel
-from python_plugins.paged_attention import ATTENTION_NAME, AttentionPlan, paged_forward
+from python_plugins.paged_attention import (
+    ATTENTION_NAME,
+    AttentionPlan,
+    CacheGeometry,
+    PagedKvCache,
+    paged_forward,
+)
 
 MODELS = ["tiny_model_dir", "tiny_gpt2_dir", "tiny_gqa_dir"]
 NUM_SLOTS = 96
@@ -142,3 +148,19 @@ def test_a_model_the_engine_cannot_run_is_refused(tiny_gpt2_dir, monkeypatch):
     monkeypatch.setattr(type(model), "_supports_attention_backend", False)
     with pytest.raises(NotImplementedError, match="AttentionInterface"):
         PagedModel(model)
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096
+
+
+def test_a_host_cache_is_resident_only_where_written():
+    before = resident_bytes()
+    geometry = CacheGeometry(num_layers=4, num_kv_heads=4, head_dim=64)
+    cache = PagedKvCache(geometry, num_slots=32768, device=torch.device("cpu"), dtype=torch.float32)
+    assert cache.kv.numel() * 4 == 256 * 2**20
+    cache.kv[:, :, 1000:1016] = 1.0  # one 16-slot block in every layer
+    assert resident_bytes() - before < 16 * 2**20
+    assert cache.kv[:, :, :1000].abs().max().item() == 0.0
+    assert cache.kv.sum().item() == 4 * 2 * 16 * 4 * 64
