@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import platform
 import subprocess
@@ -36,6 +37,7 @@ from bench.e2e.flops import forward_gemm_seconds, matmul_shapes  # noqa: E402
 from python_plugins.quickstart import create_tiny_model  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "engine.json"
+WITHOUT_SHARED_PREFIXES = ("--set", "policy.options.shared_prefix_attention=false")
 DOCS = REPO / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- engine:begin -->", "<!-- engine:end -->"
 WORDS = "the a of to and in is it that for on with as at by this be are from or an".split()
@@ -108,7 +110,13 @@ def hf_generate(model_dir: Path, records: list[dict], group: int, batch_prompts:
 
 
 def rollout_generate(
-    rollout: str, model_dir: Path, records: list[dict], group: int, args: argparse.Namespace, work: Path
+    rollout: str,
+    model_dir: Path,
+    records: list[dict],
+    group: int,
+    args: argparse.Namespace,
+    work: Path,
+    overrides: tuple[str, ...] = (),
 ) -> dict:
     data = work / "prompts.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -141,7 +149,7 @@ temperature = 1.0
 """
     )
     result = subprocess.run(
-        [rollout, "generate", str(config), *args.rollout_set],
+        [rollout, "generate", str(config), *args.rollout_set, *overrides],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -217,10 +225,15 @@ def main() -> None:
     records = make_workload(np.random.default_rng(args.seed), args.prompts, args.group, args)
     config = json.loads((model_dir / "config.json").read_text())
 
+    engine = functools.partial(rollout_generate, args.rollout, model_dir, records, args.group, args, work)
     runs = []
     for repeat in range(args.repeats):
         hf = hf_generate(model_dir, records, args.group, args.batch_prompts, args.seed + repeat)
-        ours = rollout_generate(args.rollout, model_dir, records, args.group, args, work)
+        # The engine without shared-prefix attention right before or right after, in turns.
+        ablate_first = repeat % 2 == 0
+        ablated = engine(WITHOUT_SHARED_PREFIXES) if ablate_first else {}
+        ours = engine()
+        ablated = ablated or engine(WITHOUT_SHARED_PREFIXES)
         rows = rows_per_step(records, int(ours["engine/prompt_tokens_computed"]))
         if len(rows) != ours["engine/steps"]:
             print(f"note: {ours['engine/steps']} engine steps, the bound assumes {len(rows)}")
@@ -231,6 +244,8 @@ def main() -> None:
                 "hf_generate": hf,
                 "rollout": ours,
                 "speedup": ours["tokens_per_second"] / hf["tokens_per_second"],
+                "rollout_without_shared_prefix_attention": ablated,
+                "shared_prefix_attention_speedup": ours["tokens_per_second"] / ablated["tokens_per_second"],
                 "compute_bound": bound,
                 "compute_bound_fraction_per_query_token": bound["gemm_bound_seconds"]
                 / ours["engine/seconds"],
@@ -241,6 +256,7 @@ def main() -> None:
         print(
             f"repeat {repeat}: rollout {ours['tokens_per_second']:.0f} tok/s, "
             f"hf generate {hf['tokens_per_second']:.0f} tok/s, x{runs[-1]['speedup']:.2f}, "
+            f"without shared-prefix attention {ablated['tokens_per_second']:.0f} tok/s, "
             f"compute-bound fraction {runs[-1]['compute_bound_fraction_per_query_token']:.2f}",
             flush=True,
         )
@@ -269,6 +285,9 @@ def main() -> None:
             np.median([r["hf_generate"]["tokens_per_second"] for r in runs])
         ),
         "speedup_vs_hf_generate": median_speedup,
+        "shared_prefix_attention_speedup": float(
+            np.median([r["shared_prefix_attention_speedup"] for r in runs])
+        ),
         "compute_bound_fraction_per_query_token": float(
             np.median([r["compute_bound_fraction_per_query_token"] for r in runs])
         ),
@@ -295,14 +314,17 @@ def main() -> None:
 
 def update_docs(summary: dict) -> None:
     rows = [
-        "| run | Rollout engine tok/s | HF generate tok/s | speed-up | compute-bound fraction |",
-        "|---|---|---|---|---|",
+        "| run | Rollout engine tok/s | HF generate tok/s | speed-up | compute-bound fraction "
+        "| engine without shared-prefix attention tok/s | its gain |",
+        "|---|---|---|---|---|---|---|",
     ]
     for i, run in enumerate(summary["runs"]):
         rows.append(
             f"| {i + 1} | {run['rollout']['tokens_per_second']:.0f} | "
             f"{run['hf_generate']['tokens_per_second']:.0f} | {run['speedup']:.2f}x | "
-            f"{run['compute_bound_fraction_per_query_token']:.2f} |"
+            f"{run['compute_bound_fraction_per_query_token']:.2f} | "
+            f"{run['rollout_without_shared_prefix_attention']['tokens_per_second']:.0f} | "
+            f"{run['shared_prefix_attention_speedup']:.2f}x |"
         )
     workload = summary["workload"]
     overhead = summary["overhead_fraction"]
@@ -322,10 +344,17 @@ def update_docs(summary: dict) -> None:
             "",
             *rows,
             "",
-            f"Median speed-up **{summary['speedup_vs_hf_generate']:.2f}x**; engine time outside the model "
-            f"forward pass: **{overhead:.1%}**; mean KV-cache utilisation: **{kv:.1%}**."
-            if overhead is not None and kv is not None
-            else f"Median speed-up **{summary['speedup_vs_hf_generate']:.2f}x**.",
+            f"Median speed-up **{summary['speedup_vs_hf_generate']:.2f}x**"
+            + (
+                f"; engine time outside the model forward pass: **{overhead:.1%}**; mean KV-cache "
+                f"utilisation: **{kv:.1%}**."
+                if overhead is not None and kv is not None
+                else "."
+            ),
+            "",
+            "Shared-prefix attention (`policy.options.shared_prefix_attention`, on by default) "
+            f"gains **{summary['shared_prefix_attention_speedup']:.2f}x** (median of the per-run "
+            "ratios; each run has the engine without it right before or right after, in turns).",
             "",
             "Compute-bound fraction per query token (median over the runs): "
             f"**{summary['compute_bound_fraction_per_query_token']:.2f}**: the model's weight matmuls "

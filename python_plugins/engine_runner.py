@@ -34,7 +34,7 @@ __all__ = ["EngineRunner", "PagedModel", "available_memory", "releases_memory"]
 class PagedModel:
     """One model and its paged KV cache."""
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, shared_prefixes: bool = True) -> None:
         if not model._supports_attention_backend:
             raise NotImplementedError(
                 f"{type(model).__name__} does not take its attention from transformers' "
@@ -47,8 +47,8 @@ class PagedModel:
         self.model = model
         text_config = model.config.get_text_config()
         self.geometry = CacheGeometry.of(model.config)
-        #: Whether decodes forked from one prompt may read their common prefix once.
-        self.shares_prefixes = not has_sliding_windows(model.config)
+        #: Whether decodes forked from one prompt read their common prefix once.
+        self.shares_prefixes = shared_prefixes and not has_sliding_windows(model.config)
         self.vocab_size: int = text_config.vocab_size
         self.max_positions: int = text_config.max_position_embeddings
         self.cache: PagedKvCache | None = None
@@ -92,9 +92,11 @@ class PagedModel:
 class EngineRunner:
     """Runs engine steps for a target model and an optional draft model sharing its slots."""
 
-    def __init__(self, target: PreTrainedModel, draft: PreTrainedModel | None = None) -> None:
-        self.target = PagedModel(target)
-        self.draft = PagedModel(draft) if draft is not None else None
+    def __init__(
+        self, target: PreTrainedModel, draft: PreTrainedModel | None = None, shared_prefixes: bool = True
+    ) -> None:
+        self.target = PagedModel(target, shared_prefixes)
+        self.draft = PagedModel(draft, shared_prefixes) if draft is not None else None
         self.device = target.device
         self._forward_seconds = 0.0
 

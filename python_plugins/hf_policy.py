@@ -89,6 +89,9 @@ class HFCausalLM(Policy):
         # Training passes run each distinct prompt once and only the completions per sample
         # (same result; turn off for models whose forward cannot take a KV cache).
         share_prompt_prefix: bool = True
+        # The sampling engine attends the decodes of one prompt's samples over their common
+        # prefix once (python_plugins/cascade_attention.py; same result up to float rounding).
+        shared_prefix_attention: bool = True
         # Memory (python_plugins/model_setup.py, docs/memory.md). `lora_rank` > 0 trains only
         # LoRA adapters (PEFT) on the frozen base; 0 is full fine-tuning.
         lora_rank: int = 0
@@ -314,7 +317,7 @@ class HFCausalLM(Policy):
     def engine_runner(self) -> EngineRunner:
         # Built on first use: for a model it cannot run, `kv_layout` raises NotImplementedError
         # and the engine falls back to `generate`.
-        return EngineRunner(self.model, self.draft_model)
+        return EngineRunner(self.model, self.draft_model, shared_prefixes=self.config.shared_prefix_attention)
 
     def kv_layout(self) -> KvLayout:
         return self.engine_runner.kv_layout()

@@ -5,9 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from engine_driver import DriverOptions, EngineDriver
+from policy_helpers import make_policy
 from test_paged_attention import NUM_SLOTS, full_forward, paged_model
 from transformers import AutoConfig
 
+from python_plugins import paged_attention
 from python_plugins.cascade_attention import attend_with_shared_prefixes, find_shared_prefixes
 from python_plugins.paged_attention import (
     AttentionPlan,
@@ -180,3 +183,28 @@ def test_a_sliding_window_layer_refuses_a_plan_with_families(tiny_model_dir):
     query, key = torch.zeros(1, heads, 3, dim), torch.zeros(1, kv_heads, 3, dim)
     with pytest.raises(RuntimeError, match="sliding window"), paged_forward(paged.model, paged.cache, plan):
         paged_attention_forward(layer, query, key, key, None, sliding_window=4)
+
+
+def test_sampled_completions_are_the_same_with_the_option_off(tiny_model_dir, monkeypatch):
+    families_built = []
+    plain_init = paged_attention.AttentionPlan.__init__
+
+    def counting_init(self, **kwargs):
+        plain_init(self, **kwargs)
+        families_built.append(self.families is not None)
+
+    monkeypatch.setattr(paged_attention.AttentionPlan, "__init__", counting_init)
+    prompts = [[5, 9, 12, 7, 3, 8, 11, 4, 6, 10], [13, 2, 9, 5, 14, 7, 3, 12, 8]]
+    options = DriverOptions(share_prompts=True, block_size=4, temperature=1.0, max_new_tokens=10, seed=3)
+    results = {}
+    for enabled in (True, False):
+        families_built.clear()
+        policy = make_policy(tiny_model_dir, shared_prefix_attention=enabled)
+        assert policy.engine_runner.target.shares_prefixes is enabled
+        results[enabled] = EngineDriver(policy, options).generate(prompts, n=4)
+        assert any(families_built) is enabled
+    assert sum(len(c.tokens) for group in results[True] for c in group) >= 40  # decodes ran
+    for on, off in zip(results[True], results[False], strict=True):
+        assert [c.tokens for c in on] == [c.tokens for c in off]
+        for a, b in zip(on, off, strict=True):
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
