@@ -174,7 +174,8 @@ impl PolicyHost {
     /// bytes. Runs as one job on the interpreter thread, so it falls between two engine
     /// steps, never inside one. From here until [`PolicyHost::serve_version`] the weights may
     /// be part of one version, part of another (if the policy's import fails midway), and
-    /// generation refuses to run.
+    /// generation refuses to run (a worker holds the generations that arrive meanwhile until
+    /// a whole version is swapped in).
     pub async fn import_version(&self, version: &VersionBuffer) -> Result<(), RoleError> {
         let tensors = version
             .tensors()
@@ -186,6 +187,12 @@ impl PolicyHost {
             .instrument(tracing::info_span!("weights.import"))
             .await??;
         Ok(())
+    }
+
+    /// Whether the weights are one whole version: not after an import that failed midway,
+    /// until a later import is served.
+    pub fn serves_whole_version(&self) -> bool {
+        !self.torn.load(Ordering::SeqCst)
     }
 
     /// The weights imported last are the whole of `version`, verified: generation may use

@@ -232,7 +232,9 @@ impl Serving<'_> {
 }
 
 /// Generations and weight swaps, one at a time in arrival order; once `draining`, nothing
-/// new is started.
+/// new is started. A generation that arrives while the weights are torn (a swap's import
+/// failed midway) waits for the next swap that succeeds: the pool has the worker pull that
+/// version again at once, and the request for it is queued behind the generation.
 async fn execute_in_order(
     mut queue: mpsc::UnboundedReceiver<Ordered>,
     host: Arc<PolicyHost>,
@@ -242,21 +244,21 @@ async fn execute_in_order(
 ) {
     // Whether the memory is released: a generation asked for meanwhile takes it back first.
     let mut released = false;
+    let mut deferred = Vec::new();
     while let Some(job) = queue.recv().await {
         if draining.load(Ordering::SeqCst) {
             break;
         }
         match job {
+            Ordered::Generate(call, request, span) if !host.serves_whole_version() => {
+                tracing::warn!(
+                    "a generation arrived while the weights are torn: it runs once a whole \
+                     version is swapped in"
+                );
+                deferred.push((call, request, span));
+            }
             Ordered::Generate(call, request, span) => {
-                let generated = async {
-                    if released {
-                        tracing::warn!("asked to generate with its memory released: restoring it");
-                        host.restore_memory().await?;
-                        released = false;
-                    }
-                    host.generate(request).await
-                };
-                answer(&responder, call, generated.instrument(span).await);
+                answer_generation(&host, &responder, &mut released, call, request, span).await;
             }
             Ordered::Memory(call, action, span) => {
                 let changed = set_memory(&host, action, &mut released)
@@ -267,9 +269,34 @@ async fn execute_in_order(
             Ordered::Swap(call, pulled, report, span) => {
                 let swapped = swap_in(&host, pulled, report, &name).instrument(span).await;
                 answer(&responder, call, swapped);
+                if host.serves_whole_version() {
+                    for (call, request, span) in std::mem::take(&mut deferred) {
+                        answer_generation(&host, &responder, &mut released, call, request, span)
+                            .await;
+                    }
+                }
             }
         }
     }
+}
+
+async fn answer_generation(
+    host: &PolicyHost,
+    responder: &rollout_net::rpc::Responder,
+    released: &mut bool,
+    call: u64,
+    request: GenerateRequest,
+    span: Span,
+) {
+    let generated = async {
+        if *released {
+            tracing::warn!("asked to generate with its memory released: restoring it");
+            host.restore_memory().await?;
+            *released = false;
+        }
+        host.generate(request).await
+    };
+    answer(responder, call, generated.instrument(span).await);
 }
 
 /// Releases or restores the memory generation holds on its device; asking for the state it

@@ -51,10 +51,17 @@ impl Shared {
                         shared.lose(&member, &err);
                         continue;
                     }
-                    Err(_) => match shared.pull_from_trainer(&member, &weights).await? {
-                        Some(report) => report,
-                        None => continue,
-                    },
+                    Err(err) => {
+                        tracing::warn!(
+                            "{}: weight version {} failed ({err}); pulling it from the trainer",
+                            member.name,
+                            weights.version
+                        );
+                        match shared.pull_from_trainer(&member, &weights).await? {
+                            Some(report) => report,
+                            None => continue,
+                        }
+                    }
                 };
                 verify(&member.name, &report, &weights)?;
                 reports.push(report);
