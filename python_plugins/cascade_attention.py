@@ -13,12 +13,13 @@ softmax attention over each sequence's whole context; only the summation order d
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-__all__ = ["SharedPrefixes", "attend_with_shared_prefixes", "find_shared_prefixes"]
+__all__ = ["SharedPrefixes", "attend_with_shared_prefixes", "find_shared_prefixes", "plan_tensor"]
 
 # Use the cascade only when it avoids gathering at least this share of the context slots:
 # below that, its extra operators cost more than the copies they save.
@@ -63,6 +64,12 @@ class SharedPrefixes:
             else:
                 buffer.copy_(part.index_select(0, slots).transpose(0, 1))
         return self.gathered
+
+
+def plan_tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """An attention plan's index (int64) or mask (bool) array on ``device``."""
+    dtype = torch.long if array.dtype.kind in "iu" else None
+    return torch.tensor(np.ascontiguousarray(array), dtype=dtype, device=device)
 
 
 def find_shared_prefixes(
@@ -131,11 +138,7 @@ def _plan(
     own_lens = lens - own_start
     longest_own = int(own_lens.max())
     own_index = np.minimum(own_start[:, None] + np.arange(longest_own), width - 1)
-
-    def tensor(array: np.ndarray) -> torch.Tensor:
-        dtype = torch.long if array.dtype.kind in "iu" else None
-        return torch.tensor(np.ascontiguousarray(array), dtype=dtype, device=device)
-
+    tensor = functools.partial(plan_tensor, device=device)
     return SharedPrefixes(
         prefix_slots=tensor(slots[first_member, :longest_prefix].reshape(-1)),
         prefix_visible=tensor((np.arange(longest_prefix) < prefix_len[:, None])[None, :, None, :]),

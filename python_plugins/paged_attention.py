@@ -13,6 +13,7 @@ returns ``None`` early), so the only mask is the per-step one built here.
 
 from __future__ import annotations
 
+import functools
 import math
 import mmap
 from collections.abc import Iterator
@@ -24,7 +25,12 @@ import numpy as np
 import torch
 from transformers import AttentionInterface, PreTrainedConfig, PreTrainedModel
 
-from python_plugins.cascade_attention import SharedPrefixes, attend_with_shared_prefixes, find_shared_prefixes
+from python_plugins.cascade_attention import (
+    SharedPrefixes,
+    attend_with_shared_prefixes,
+    find_shared_prefixes,
+    plan_tensor,
+)
 
 __all__ = [
     "ATTENTION_NAME",
@@ -195,9 +201,7 @@ def _build_group(
     query_positions = (contexts - lens)[:, None] + offsets
     visible = np.arange(longest_context) <= query_positions[:, :, None]
 
-    def tensor(array: np.ndarray) -> torch.Tensor:
-        return torch.tensor(array, dtype=torch.long if array.dtype.kind in "iu" else None, device=device)
-
+    tensor = functools.partial(plan_tensor, device=device)
     return _QueryGroup(
         query_index=tensor(query_index.reshape(-1)),
         context_slots=tensor(context_slots[members, :longest_context].reshape(-1)),
