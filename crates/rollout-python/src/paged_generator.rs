@@ -191,6 +191,16 @@ impl PagedGenerator {
         let scheduler = self
             .ensure_capacity(state, worker, policy, &request)
             .await?;
+        if !scheduler.is_idle() {
+            // A request that failed or was dropped midway left its sequences behind: they
+            // hold blocks and would finish as nobody's. The cache stays; its prefixes do not.
+            tracing::warn!(
+                running = scheduler.num_running(),
+                waiting = scheduler.num_waiting(),
+                "the sampling engine held sequences of an unfinished request: dropped"
+            );
+            *scheduler = Scheduler::new(scheduler.config().clone());
+        }
         if stale {
             scheduler.clear_prefix_cache();
         }
