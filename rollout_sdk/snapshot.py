@@ -8,6 +8,8 @@ memory (a CPU tensor's storage) and training can change it right after.
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,17 +17,19 @@ from typing import Any
 
 __all__ = ["HostTensor", "Snapshot", "TensorFile", "write_snapshot"]
 
-TORCH_DTYPES = {
-    "F64": "float64",
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "I64": "int64",
-    "I32": "int32",
-    "I16": "int16",
-    "I8": "int8",
-    "U8": "uint8",
-    "BOOL": "bool",
+#: Bytes per element of each safetensors dtype; tensors are laid out widest first, so each
+#: starts aligned to its own element size.
+ITEM_BYTES = {
+    "F64": 8,
+    "I64": 8,
+    "F32": 4,
+    "I32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
 }
 
 
@@ -50,17 +54,37 @@ class TensorFile:
     metadata: Mapping[str, str] = field(default_factory=dict)
 
     def write(self, path: str | Path) -> None:
-        """Write the file here with torch and safetensors (the engine writes snapshots itself)."""
-        import torch
-        from safetensors.torch import save_file
-
-        tensors = {
-            name: torch.frombuffer(bytearray(tensor.data), dtype=torch.uint8)
-            .view(getattr(torch, TORCH_DTYPES[tensor.dtype]))
-            .reshape(tensor.shape)
-            for name, tensor in self.tensors.items()
-        }
-        save_file(tensors, str(path), dict(self.metadata) or None)
+        """Write the file here as safetensors, each tensor straight from its buffer: no copy of
+        the whole file is ever in memory (the engine writes snapshots itself)."""
+        ordered = sorted(self.tensors.items(), key=lambda item: (-ITEM_BYTES.get(item[1].dtype, 1), item[0]))
+        header: dict[str, Any] = {"__metadata__": dict(self.metadata)} if self.metadata else {}
+        views = []
+        offset = 0
+        for name, tensor in ordered:
+            if tensor.dtype not in ITEM_BYTES:
+                raise ValueError(f"tensor `{name}`: unknown safetensors dtype {tensor.dtype!r}")
+            view = memoryview(tensor.data).cast("B")
+            expected = math.prod(tensor.shape) * ITEM_BYTES[tensor.dtype]
+            if view.nbytes != expected:
+                raise ValueError(
+                    f"tensor `{name}`: {view.nbytes} bytes for shape {tensor.shape} of "
+                    f"{tensor.dtype}, which takes {expected}"
+                )
+            header[name] = {
+                "dtype": tensor.dtype,
+                "shape": list(tensor.shape),
+                "data_offsets": [offset, offset + view.nbytes],
+            }
+            offset += view.nbytes
+            views.append(view)
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        # The data starts 8-byte aligned, as safetensors' own writer pads it.
+        encoded += b" " * (-len(encoded) % 8)
+        with open(path, "wb") as file:
+            file.write(len(encoded).to_bytes(8, "little"))
+            file.write(encoded)
+            for view in views:
+                file.write(view)
 
 
 Snapshot = Mapping[str, "bytes | TensorFile"]

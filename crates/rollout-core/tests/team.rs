@@ -105,8 +105,8 @@ async fn every_agent_trains_on_its_own_returns_and_checkpoints_apart() {
         let events = learner.events();
         assert_eq!(
             events,
-            ["train 1", "train 2", "snapshot 2", "train 3", "snapshot 3"],
-            "one update per step, checkpointed at steps 2 and 3"
+            ["train 1", "train 2", "snapshot 2", "train 3", "save 3"],
+            "one update per step, checkpointed at step 2 in the background and at the last, 3, in the foreground"
         );
     }
     for step in [2, 3] {

@@ -459,7 +459,9 @@ fn reference(inputs: &Inputs<'_>, tokens: u64) -> Vec<Component> {
 }
 
 /// The host copy of a checkpoint, taken at the step boundary; with background writes and
-/// checkpoints during the run it is still being written while the next step trains.
+/// checkpoints during the run it is still being written while the next step trains. A
+/// checkpoint written in the foreground (the run's last one always is) streams host tensors
+/// to the file as they are: no copy on the host, one from a device.
 fn snapshot(inputs: &Inputs<'_>) -> Component {
     let config = inputs.config;
     let checkpoint = &config.checkpoint;
@@ -468,9 +470,9 @@ fn snapshot(inputs: &Inputs<'_>) -> Component {
     // A background write (about 0.3 s per 100 MB) overlaps the next step's generation.
     let overlaps = checkpoint.background && mid_run;
     let copies = match inputs.policy.options.device {
-        Device::Cpu => 1,
-        // A host tensor from the device, then the bytes the writer holds.
-        Device::Cuda(_) => 2,
+        Device::Cpu => u64::from(overlaps),
+        // A host tensor from the device, then (in the background) the bytes the writer holds.
+        Device::Cuda(_) => 1 + u64::from(overlaps),
     };
     component(
         "checkpoint copy",

@@ -264,9 +264,24 @@ fn gradient_checkpointing_keeps_layer_inputs_only() {
 }
 
 #[test]
+fn only_a_background_checkpoint_during_the_run_is_copied_on_the_host() {
+    let setup = Setup::new();
+    let copy = |extra: &str| part(&setup.plan("", extra), 0, "checkpoint copy");
+    let state = 4 * PARAMS + 8 * PARAMS;
+    assert!(copy("[checkpoint]\nevery = 10\n") >= state);
+    // At the end only, or in the foreground: written from the tensors as they are.
+    assert_eq!(copy(""), 0);
+    assert_eq!(copy("[checkpoint]\nevery = 10\nbackground = false\n"), 0);
+    assert_eq!(copy("[checkpoint]\nevery = 100\n"), 0);
+}
+
+#[test]
 fn launch_plans_controller_workers_and_ranks() {
     let setup = Setup::new();
-    let loaded = setup.load("", "[cluster]\nworkers = 2\ntrainers = 2\n");
+    let loaded = setup.load(
+        "",
+        "[cluster]\nworkers = 2\ntrainers = 2\n[checkpoint]\nevery = 10\n",
+    );
     let plan = plan(
         &loaded,
         Mode::Launch {
@@ -428,7 +443,7 @@ fn on_device(plan: &Plan, role: usize, device: &str, name: &str) -> u64 {
 #[test]
 fn sharded_ranks_hold_a_share_of_the_state_and_the_gathered_blocks() {
     let setup = Setup::new();
-    let cluster = "[cluster]\nworkers = 1\ntrainers = 4\n";
+    let cluster = "[cluster]\nworkers = 1\ntrainers = 4\n[checkpoint]\nevery = 10\n";
     let replicated = launch_plan(&setup, cluster);
     let sharded = launch_plan(&setup, &format!("[train]\nsharding = \"fsdp\"\n{cluster}"));
     for name in ["weights", "gradients", "optimizer state"] {

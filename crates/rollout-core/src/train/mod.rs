@@ -248,7 +248,7 @@ impl<'a> Controller<'a> {
             .as_ref()
             .is_some_and(|dir| dir.ends_with(format!("step-{:08}", self.state.step)));
         if !checkpoint_is_current && (self.state.step > 0 || self.state.sft_step > 0) {
-            self.checkpoint().await?;
+            self.final_checkpoint().await?;
             self.checkpoint_settled().await?;
         }
         let summary = Summary::of(&self.state, self.last_checkpoint.clone(), started);
@@ -336,7 +336,11 @@ impl<'a> Controller<'a> {
         self.reap_checkpoint().instrument(span.clone()).await?;
         let every = self.config.checkpoint.every;
         if every > 0 && step % every == 0 {
-            self.checkpoint().instrument(span).await?;
+            if step >= self.config.run.steps {
+                self.final_checkpoint().instrument(span).await?;
+            } else {
+                self.checkpoint().instrument(span).await?;
+            }
         }
         Ok(())
     }

@@ -83,7 +83,8 @@ impl<'a> Controller<'a> {
         if let Some(sft) = &self.config.sft {
             if self.state.sft_step < sft.steps {
                 self.supervised_warm_start(&sampler, sft, resumed).await?;
-                if !self.stopping() {
+                // A run of SFT alone is checkpointed at its end, like any other.
+                if self.config.run.steps > 0 && !self.stopping() {
                     self.checkpoint().await?;
                 }
             }

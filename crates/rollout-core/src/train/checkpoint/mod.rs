@@ -36,11 +36,20 @@ impl Controller<'_> {
     /// state and training goes on while the files are written and committed; the previous
     /// background checkpoint is waited for first, so at most one is in flight.
     pub(super) async fn checkpoint(&mut self) -> Result<(), RunError> {
-        let span = tracing::info_span!("checkpoint", step = self.state.step);
-        self.checkpoint_now().instrument(span).await
+        let background = self.config.checkpoint.background;
+        let span = tracing::info_span!("checkpoint", step = self.state.step, background);
+        self.checkpoint_now(background).instrument(span).await
     }
 
-    async fn checkpoint_now(&mut self) -> Result<(), RunError> {
+    /// The run's last checkpoint. Nothing trains after it, so it is written in the
+    /// foreground, from the learner's state as it is: no in-memory copy of the whole state
+    /// raises the run's peak memory at its very end.
+    pub(super) async fn final_checkpoint(&mut self) -> Result<(), RunError> {
+        let span = tracing::info_span!("checkpoint", step = self.state.step, background = false);
+        self.checkpoint_now(false).instrument(span).await
+    }
+
+    async fn checkpoint_now(&mut self, background: bool) -> Result<(), RunError> {
         self.checkpoint_settled().await?;
         let started = Instant::now();
         let step = self.state.step;
@@ -58,7 +67,7 @@ impl Controller<'_> {
             };
             directories.push((learner, directory));
         }
-        if !self.config.checkpoint.background {
+        if !background {
             for (learner, directory) in directories {
                 learner.save(directory).await?;
             }
