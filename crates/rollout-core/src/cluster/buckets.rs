@@ -300,10 +300,7 @@ impl<'a> PlannedVersion<'a> {
         }
         let (tables, lens) = layout.finish();
         contents.resize_with(tables.len(), Vec::new);
-        let checksums = contents
-            .iter()
-            .map(|runs| streamed_checksum(runs))
-            .collect();
+        let checksums = checksum_buckets(&contents);
         Ok(Self {
             version,
             headers: headers(version, tables, checksums),
@@ -349,6 +346,41 @@ impl<'a> PlannedVersion<'a> {
 }
 
 /// The checksum of the payload `runs` lay out ([`checksum`] of it), without building it.
+/// Checksums every bucket, the buckets shared out over the machine's cores: the version is
+/// reported only once all are known, while every worker waits for it.
+fn checksum_buckets(contents: &[Vec<(usize, &[u8])>]) -> Vec<String> {
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |cores| cores.get())
+        .min(contents.len());
+    if threads <= 1 {
+        return contents
+            .iter()
+            .map(|runs| streamed_checksum(runs))
+            .collect();
+    }
+    std::thread::scope(|scope| {
+        let shares: Vec<_> = contents
+            .chunks(contents.len().div_ceil(threads))
+            .map(|share| {
+                scope.spawn(move || {
+                    share
+                        .iter()
+                        .map(|runs| streamed_checksum(runs))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        shares
+            .into_iter()
+            .flat_map(|share| {
+                share
+                    .join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+            })
+            .collect()
+    })
+}
+
 fn streamed_checksum(runs: &[(usize, &[u8])]) -> String {
     const GAP: [u8; TENSOR_ALIGN] = [0; TENSOR_ALIGN];
     let mut hasher = xxhash_rust::xxh3::Xxh3::new();
