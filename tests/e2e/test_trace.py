@@ -131,11 +131,14 @@ def test_run_writes_a_chrome_trace_of_every_step(tmp_path: Path, artifacts: Path
         assert [s.parent.name for s in step.named("policy.train")] == ["train"]
         assert [s.parent.name for s in step.named("rewards.score")] == ["score"]
     # Steps follow each other; a checkpoint is part of its step (every = 2), its files are
-    # written in the background, and the warm start's updates have spans of their own.
+    # written in the background, and the warm start's updates have spans of their own. The
+    # run's last checkpoint is written in the foreground: no write span of its own.
     assert all(a.end <= b.begin for a, b in itertools.pairwise(steps))
     assert [c.args["step"] for c in steps[1].named("checkpoint")] == [2]
     written = [s for s in spans if s.name == "checkpoint.write"]
-    assert {s.args["step"] for s in written} >= {2, 3} and all(s.parent is None for s in written)
+    assert {s.args["step"] for s in written} == {0, 2} and all(s.parent is None for s in written)
+    (last,) = [s for s in spans if s.name == "checkpoint" and s.args["step"] == 3]
+    assert str(last.args["background"]).lower() == "false" and last.parent is None
     assert [s.args["step"] for s in spans if s.name == "sft.step"] == [1, 2]
     # One track per kind of top-level span: the steps share theirs.
     assert len({s.track for s in steps}) == 1
