@@ -192,6 +192,13 @@ def step_time_tail(work: Path, steps: int) -> dict[str, Any]:
     """`rollout launch configs/distributed.toml` as shipped (its own warm start included): how
     the slowest 1% of steps compare with the median step."""
     config = REPO / "configs" / "distributed.toml"
+    # Its model and data are the quickstart's, as after the README's first command.
+    subprocess.run(
+        [str(ROLLOUT), "init-quickstart", "--dir", "artifacts/quickstart"],
+        check=True,
+        capture_output=True,
+        cwd=REPO,
+    )
     lines = launch(config, f"run.output_dir={work / 'shipped'}", f"run.steps={steps}")
     seconds = sorted(line["step_seconds"] for line in lines)
     p99 = seconds[min(len(seconds) - 1, round(0.99 * (len(seconds) - 1)))]
