@@ -345,7 +345,6 @@ impl<'a> PlannedVersion<'a> {
     }
 }
 
-/// The checksum of the payload `runs` lay out ([`checksum`] of it), without building it.
 /// Checksums every bucket, the buckets shared out over the machine's cores: the version is
 /// reported only once all are known, while every worker waits for it.
 fn checksum_buckets(contents: &[Vec<(usize, &[u8])>]) -> Vec<String> {
@@ -381,6 +380,7 @@ fn checksum_buckets(contents: &[Vec<(usize, &[u8])>]) -> Vec<String> {
     })
 }
 
+/// The checksum of the payload `runs` lay out ([`checksum`] of it), without building it.
 fn streamed_checksum(runs: &[(usize, &[u8])]) -> String {
     const GAP: [u8; TENSOR_ALIGN] = [0; TENSOR_ALIGN];
     let mut hasher = xxhash_rust::xxh3::Xxh3::new();
