@@ -8,8 +8,6 @@ per rank; a block's parameters are gathered for its forward and backward passes 
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import math
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -59,7 +57,6 @@ def shard_model(model: torch.nn.Module, sharding: Sharding) -> FSDPModule:
             f"{type(model).__name__} names no decoder block class in `_no_split_modules`: "
             "sharding it whole would gather every weight at once"
         )
-    _serve_large_buffers_by_mmap()
     for block in blocks:
         fully_shard(block, **options)
     root = fully_shard(model, **options)
@@ -70,24 +67,6 @@ def shard_model(model: torch.nn.Module, sharding: Sharding) -> FSDPModule:
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
     return root
-
-
-# glibc's M_MMAP_THRESHOLD, and the size above which buffers get pages of their own.
-_M_MMAP_THRESHOLD = -3
-_MMAP_THRESHOLD_BYTES = 4 << 20
-
-
-def _serve_large_buffers_by_mmap() -> None:
-    """Every step of a sharded rank allocates and frees block-sized buffers (gathered
-    parameters, unsharded gradients, reduce-scatter inputs). glibc's adaptive threshold soon
-    serves such buffers from the heap, where they fragment: on CPU a 2-rank 101M-parameter
-    run peaked 0.23 GiB higher per rank (bench/sharding.py). A fixed threshold returns each
-    one to the system when freed. Nothing changes where the C library is not glibc."""
-    name = ctypes.util.find_library("c")
-    library = ctypes.CDLL(name) if name else None
-    mallopt = getattr(library, "mallopt", None)
-    if mallopt is not None:
-        mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)
 
 
 def _dtype(name: str) -> torch.dtype | None:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rollout_sdk.startup import GPU_DRIVER_NODES
 from tests.e2e.harness import FIXTURES, metrics, read_jsonl, rollout, run, write_config
 
 FIXTURE_PATHS = {"python.paths": [FIXTURES]}
@@ -198,3 +199,23 @@ def test_draft_model_speculation_trains_and_keeps_greedy_tokens(
     assert all(len(c["token_ids"]) == 12 for c in plain)
     for fast, slow in zip(speculative, plain, strict=True):
         assert torch.allclose(torch.tensor(fast["logprobs"]), torch.tensor(slow["logprobs"]), atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# The process's runtime: its allocator, and Triton on a host without a GPU
+
+
+def test_plugins_in_the_binary_allocate_through_its_jemalloc_and_without_triton(
+    tmp_path: Path, artifacts: Path
+) -> None:
+    probe = tmp_path / "runtime.jsonl"
+    plugins = {"callbacks": [{"plugin": "binary_plugins:RecordRuntime", "options": {"path": probe}}]}
+    config = write_config(tmp_path, artifacts, FIXTURE_PATHS, plugins, steps=1)
+    rollout("check", config, cwd=config.parent)
+    [seen] = read_jsonl(probe)
+    # `malloc` as CPython, torch and ctypes resolve it is the binary's own, not libc's.
+    assert seen["process_malloc"] != seen["libc_malloc"]
+    # jemalloc rounds 1 MiB to its size class exactly; glibc would add its chunk header.
+    assert seen["usable_size_of_1_mib"] == 1 << 20
+    gpu_host = any(Path(node).exists() for node in GPU_DRIVER_NODES)
+    assert seen["triton_loaded"] is gpu_host, "Triton loaded without a GPU driver, or held back with one"

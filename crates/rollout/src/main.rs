@@ -19,6 +19,11 @@ use rollout_core::plan::{self, PlanError};
 use rollout_core::telemetry;
 use rollout_core::train::RunError;
 
+/// jemalloc serves every allocation in the process: Rust's through this, and (its symbols being
+/// unprefixed) CPython's and torch's through `malloc`. See docs/memory.md for what it saves.
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 const EXIT_FAILURE: u8 = 1;
 const EXIT_CONFIG: u8 = 2;
 

@@ -10,13 +10,14 @@ use super::workload::Workload;
 const MIB: u64 = 1 << 20;
 
 /// Resident memory of a `rollout` process with Python, torch, transformers and the HF policy
-/// imported, before the model's weights: 720 MiB on the 2-core x86-64 machine of
-/// `bench/memory` (torch 2.11 CUDA wheel, transformers 5.17). `rollout check` on the
-/// 1M-parameter model peaks at 696 MiB; a training run touches about 25 MiB more of torch's
-/// libraries (the intercept of the fit in docs/memory.md).
-pub const RUNTIME_BYTES: u64 = 720 * MIB;
-/// Host memory a process adds once it initialises CUDA (driver, context, kernel images);
-/// an estimate from typical torch CUDA processes, not measured here (no GPU).
+/// imported, before the model's weights: 660 MiB on the 2-core x86-64 machine of
+/// `bench/memory` (torch 2.11 CUDA wheel, transformers 5.17, Triton held back on a host
+/// without a GPU driver). `rollout check` on the 1M-parameter model peaks at 637 MiB; a
+/// training run touches about 25 MiB more of torch's libraries.
+pub const RUNTIME_BYTES: u64 = 660 * MIB;
+/// Host memory a process adds once it initialises CUDA (driver, context, kernel images, and
+/// the 50 MiB of Triton, loaded where there is a GPU); an estimate from typical torch CUDA
+/// processes, not measured here (no GPU).
 pub const CUDA_HOST_RUNTIME_BYTES: u64 = 1024 * MIB;
 /// Device memory of a CUDA context, cuBLAS workspaces and the caching allocator's slack;
 /// an estimate, not measured here.
@@ -37,23 +38,9 @@ pub const ACTIVATION_INTERMEDIATE: f64 = 4.0;
 /// gradient) when the base is frozen under LoRA: the MLP's input and its down projection's.
 pub const FROZEN_SAVINGS_HIDDEN: f64 = 1.0;
 pub const FROZEN_SAVINGS_INTERMEDIATE: f64 = 1.0;
-/// Freed memory glibc's heap keeps resident on the host, per byte a training pass allocates:
-/// large tensors are first `mmap`ed and returned when freed, but each free raises glibc's
-/// `mmap` threshold (up to 32 MiB), so later tensors come from heap arenas that rarely give
-/// memory back. What is allocated after the pass (gradients, the optimizer's state) reuses
-/// part of it. Fitted on bench/memory (docs/memory.md): with `MALLOC_MMAP_THRESHOLD_=131072`,
-/// which pins the threshold, the same runs peak within 5% of the in-use memory alone.
-pub const HEAP_RETENTION: f64 = 0.45;
-
 /// What importing PEFT and bitsandbytes adds (LoRA, quantization, 8-bit AdamW): 52 MiB
 /// measured over a process with torch and transformers' Llama imported.
 pub const PEFT_BITSANDBYTES_BYTES: u64 = 52 * MIB;
-
-/// Bytes a training pass allocates over its course (every operator's output, forward and
-/// backward), per byte of the activations a full fine-tuning pass keeps: 1.97 measured with a
-/// `TorchDispatchMode` counting new storages on the small model (gradient checkpointing,
-/// LoRA and quantized bases measured 0.87-0.97 of full fine-tuning's total).
-pub const ALLOCATED_PER_KEPT: f64 = 2.0;
 
 /// Transient elements per token of a forward pass without gradients (generation, the
 /// reference model): one layer's widest intermediates at a time.
@@ -326,16 +313,6 @@ impl<'a> PolicyMemory<'a> {
                 format!("{tokens} tokens x {} vocabulary", self.shape.vocab_size),
             ),
         ]
-    }
-
-    /// Bytes the training pass of `tokens` positions allocates over its course
-    /// (`ALLOCATED_PER_KEPT` times what full fine-tuning keeps for the backward pass).
-    pub fn allocated_bytes(&self, tokens: u64) -> f64 {
-        let h = self.shape.hidden_size as f64;
-        let i = self.shape.intermediate_size as f64;
-        let per_layer = ACTIVATION_HIDDEN * h + ACTIVATION_INTERMEDIATE * i;
-        let kept = tokens as f64 * self.shape.num_layers as f64 * per_layer;
-        ALLOCATED_PER_KEPT * kept * self.dtype_bytes() as f64
     }
 
     /// Whether the policy imports PEFT and bitsandbytes.

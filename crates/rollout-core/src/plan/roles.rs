@@ -4,8 +4,8 @@
 
 use super::estimate::{
     CONTROLLER_RUNTIME_BYTES, CUDA_CONTEXT_BYTES, CUDA_HOST_RUNTIME_BYTES, Component,
-    HEAP_RETENTION, PEFT_BITSANDBYTES_BYTES, Phases, PolicyMemory, RUNTIME_BYTES,
-    SANDBOX_RUNTIME_BYTES, component, count, frozen_weights_bytes, kv_cache,
+    PEFT_BITSANDBYTES_BYTES, Phases, PolicyMemory, RUNTIME_BYTES, SANDBOX_RUNTIME_BYTES, component,
+    count, frozen_weights_bytes, kv_cache,
 };
 use super::model::ModelShape;
 use super::options::{Device, Quantization, RewardModel};
@@ -228,9 +228,6 @@ fn training(inputs: &Inputs<'_>, workload: &Workload, ranks: u64, first: bool) -
         ));
     }
     parts.extend(reference(inputs, tokens));
-    if let Some(retained) = heap_retention(inputs, &parts, tokens) {
-        parts.push(retained);
-    }
     if first {
         parts.push(snapshot(inputs));
     }
@@ -305,9 +302,6 @@ fn sharded_trainer_rank(
             },
             ..reference
         });
-    }
-    if let Some(retained) = heap_retention(inputs, &parts, tokens) {
-        parts.push(retained);
     }
     let snapshot = snapshot(inputs);
     parts.push(Component {
@@ -393,35 +387,6 @@ fn accumulated_gradients(inputs: &Inputs<'_>, workload: &Workload) -> Option<Com
         (policy.trainable * policy.trainable_bytes) as f64,
         Phases::TRAIN,
         format!("{per_rank} micro-batches per rank: unsharded until the last one's backward pass"),
-    ))
-}
-
-/// On the host, the freed training memory glibc's heap keeps (`HEAP_RETENTION` of what the
-/// pass allocates), less the gradients and optimizer state that reuse it.
-fn heap_retention(inputs: &Inputs<'_>, parts: &[Component], tokens: u64) -> Option<Component> {
-    // A pinned threshold (`MALLOC_MMAP_THRESHOLD_`) returns every large tensor when freed.
-    if inputs.policy.options.device != Device::Cpu
-        || std::env::var_os("MALLOC_MMAP_THRESHOLD_").is_some()
-    {
-        return None;
-    }
-    let reused: u64 = parts
-        .iter()
-        .filter(|p| p.device == Device::Cpu)
-        .filter(|p| p.name == "gradients" || p.name.starts_with("optimizer state"))
-        .map(|p| p.bytes)
-        .sum();
-    let allocated = inputs.policy.allocated_bytes(tokens);
-    Some(component(
-        "allocator retention",
-        Device::Cpu,
-        HEAP_RETENTION * allocated - reused as f64,
-        Phases::TRAIN,
-        format!(
-            "freed memory glibc's heap keeps: {HEAP_RETENTION} x {} the pass allocates, less \
-             gradients and optimizer state",
-            super::report::size(allocated as u64)
-        ),
     ))
 }
 

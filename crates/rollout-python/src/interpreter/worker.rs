@@ -164,6 +164,9 @@ fn prepare(py: Python<'_>, setup: &PythonSetup) -> Result<(), PythonError> {
             describe_search(setup.venv.as_deref(), &setup.paths),
         ))
     })?;
+    py.import("rollout_sdk.startup")
+        .and_then(|startup| startup.call_method0("prepare_process"))
+        .map_err(wrap)?;
     Ok(())
 }
 
