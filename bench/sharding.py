@@ -67,6 +67,8 @@ def config(root: Path, model: Path, data: Path, ranks: int, mode: str) -> Path:
 name = "sharding-{mode}-{ranks}"
 output_dir = "{root / f"run-{mode}-{ranks}"}"
 steps = 2
+# The addition prompts ("63+11=") are 5-6 characters, their answers at most 4 with EOS.
+plan_prompt_tokens = 6
 
 {policy_and_data(model, data)}
 [algorithm]
@@ -75,6 +77,7 @@ completion_key = "answer"
 
 [rollout]
 prompts_per_step = 8
+max_new_tokens = 4
 
 [train]
 learning_rate = 1e-4

@@ -1,5 +1,6 @@
 //! `rollout`: the command-line entry point.
 
+mod allocator;
 mod cli;
 mod interrupt;
 mod processes;
@@ -18,11 +19,6 @@ use rollout_core::config::{self, ConfigError};
 use rollout_core::plan::{self, PlanError};
 use rollout_core::telemetry;
 use rollout_core::train::RunError;
-
-/// jemalloc serves every allocation in the process: Rust's through this, and (its symbols being
-/// unprefixed) CPython's and torch's through `malloc`. See docs/memory.md for what it saves.
-#[global_allocator]
-static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
 const EXIT_FAILURE: u8 = 1;
 const EXIT_CONFIG: u8 = 2;

@@ -10,11 +10,12 @@ use super::workload::Workload;
 const MIB: u64 = 1 << 20;
 
 /// Resident memory of a `rollout` process with Python, torch, transformers and the HF policy
-/// imported, before the model's weights: 660 MiB on the 2-core x86-64 machine of
+/// imported, before the model's weights: 730 MiB on the 2-core x86-64 machines of
 /// `bench/memory` (torch 2.11 CUDA wheel, transformers 5.17, Triton held back on a host
-/// without a GPU driver). `rollout check` on the 1M-parameter model peaks at 637 MiB; a
-/// training run touches about 25 MiB more of torch's libraries.
-pub const RUNTIME_BYTES: u64 = 660 * MIB;
+/// without a GPU driver). `rollout check` on the 1M-parameter model peaks at 637 and 731 MiB
+/// on two such hosts (the libraries' resident pages differ); a training run touches about 25
+/// MiB more of torch's libraries. Set between the two, nearer the higher.
+pub const RUNTIME_BYTES: u64 = 730 * MIB;
 /// Host memory a process adds once it initialises CUDA (driver, context, kernel images, and
 /// the 50 MiB of Triton, loaded where there is a GPU); an estimate from typical torch CUDA
 /// processes, not measured here (no GPU).

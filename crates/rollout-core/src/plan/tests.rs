@@ -450,6 +450,9 @@ fn sharded_ranks_hold_a_share_of_the_state_and_the_gathered_blocks() {
         part(&sharded, 2, "gathered parameters"),
         4 * (2 * 56 * 512 + 512 + 2 * block)
     );
+    // On the host, the allocator keeps two freed blocks of parameters and of gradients.
+    assert_eq!(part(&sharded, 2, "freed blocks kept"), 4 * 4 * block);
+    assert_eq!(part(&replicated, 2, "freed blocks kept"), 0);
     assert_eq!(part(&sharded, 2, "gradient all-reduce"), 0);
     // Loading holds the whole model once more: on the CPU, as its file's mapped pages.
     assert_eq!(part(&sharded, 2, "whole weights (loading)"), 4 * PARAMS);
@@ -483,6 +486,8 @@ fn offloaded_shards_move_to_the_host_and_compute_dtypes_size_the_gathers() {
     let gathered = on_device(&plan, 2, "cuda:0", "gathered parameters");
     let block = (PARAMS - 2 * 56 * 512 - 512) / 8;
     assert_eq!(gathered, 2 * (2 * 56 * 512 + 512 + 2 * block));
+    // Device memory is not jemalloc's to keep.
+    assert_eq!(on_device(&plan, 2, "cpu", "freed blocks kept"), 0);
 }
 
 #[test]
