@@ -12,6 +12,7 @@ say() { printf '\033[1m==> %s  (%s)\033[0m\n' "$*" "$(date +%T)" >&2; }
 fail() { printf 'setup: %s\n' "$*" >&2; exit 1; }
 
 command -v cargo >/dev/null || fail "cargo is not installed; install Rust with rustup (https://rustup.rs)"
+command -v make >/dev/null || fail "make is not installed; the binary's allocator (jemalloc) is built with it (on Debian: apt install build-essential)"
 command -v "$BASE_PYTHON" >/dev/null || fail "$BASE_PYTHON is not installed; Python 3.10+ is needed"
 "$BASE_PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
   || fail "$BASE_PYTHON is older than 3.10"
