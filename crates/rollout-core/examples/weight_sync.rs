@@ -133,17 +133,25 @@ async fn serve(store: &WeightStore, key: &ClusterKey, name: &str) -> String {
     addr
 }
 
+/// A generation worker's weight store, the address it serves on, and the limits its pulls
+/// connect with: one receive-buffer pool for all its pulls, as in a worker process.
+struct Worker {
+    store: WeightStore,
+    addr: String,
+    limits: LinkLimits,
+}
+
 /// One sync of `version` along trainer -> worker 0 -> ... ; returns the seconds until every
-/// worker has verified the whole version.
+/// worker has verified the whole version, and the CPU seconds the process spent meanwhile.
 async fn sync(
     trainer: &WeightStore,
-    workers: &[(WeightStore, String)],
+    workers: &[Worker],
     trainer_addr: &str,
     key: &ClusterKey,
     version: u64,
     weights: &[TensorBytes],
     bucket_bytes: u64,
-) -> f64 {
+) -> (f64, f64) {
     let buffer = VersionBuffer::from_tensors(version, weights, bucket_bytes).unwrap();
     let report = WeightsReport {
         version,
@@ -152,31 +160,52 @@ async fn sync(
         source: trainer_addr.into(),
         holder: "trainer".into(),
     };
+    let cpu_before = process_cpu_seconds();
     let started = Instant::now();
     trainer.publish(Arc::new(buffer));
     let mut pulls = Vec::new();
     let mut source = trainer_addr.to_owned();
-    for (index, (store, addr)) in workers.iter().enumerate() {
-        let (store, key, report, from) =
-            (store.clone(), key.clone(), report.clone(), source.clone());
+    for (index, worker) in workers.iter().enumerate() {
+        let (store, limits, key, report, from) = (
+            worker.store.clone(),
+            worker.limits.clone(),
+            key.clone(),
+            report.clone(),
+            source.clone(),
+        );
         pulls.push(tokio::spawn(async move {
-            let link = Link::connect(
-                &from,
-                &key,
-                &hello(&format!("worker-{index}")),
-                &LinkLimits::default(),
-            )
-            .await
-            .unwrap();
+            let link = Link::connect(&from, &key, &hello(&format!("worker-{index}")), &limits)
+                .await
+                .unwrap();
             let pulled = store.pull(&link.client(), &report).await.unwrap();
             assert_eq!(pulled.checksum(), report.checksum);
         }));
-        source = addr.clone();
+        source = worker.addr.clone();
     }
     for pull in pulls {
         pull.await.unwrap();
     }
-    started.elapsed().as_secs_f64()
+    (
+        started.elapsed().as_secs_f64(),
+        process_cpu_seconds() - cpu_before,
+    )
+}
+
+/// CPU seconds the process's live threads have run so far (the scheduler's nanosecond
+/// count of each, `/proc/self/task/*/schedstat`).
+fn process_cpu_seconds() -> f64 {
+    let mut nanoseconds = 0u64;
+    for task in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
+        if let Ok(stat) = std::fs::read_to_string(task.path().join("schedstat")) {
+            nanoseconds += stat
+                .split_whitespace()
+                .next()
+                .unwrap()
+                .parse::<u64>()
+                .unwrap();
+        }
+    }
+    nanoseconds as f64 / 1e9
 }
 
 fn median(values: &mut [f64]) -> f64 {
@@ -209,32 +238,45 @@ fn main() {
             for index in 0..count {
                 let store = WeightStore::default();
                 let addr = serve(&store, &key, &format!("worker-{index}")).await;
-                workers.push((store, addr));
+                let limits = LinkLimits::default();
+                workers.push(Worker {
+                    store,
+                    addr,
+                    limits,
+                });
             }
             // The baselines are measured between the syncs, so all three see the same machine.
             let mut raws = Vec::new();
             let mut raw_relays = Vec::new();
             let mut seconds = Vec::new();
             let mut egress_bytes = 0;
+            let (mut cpu_seconds, mut raw_relay_cpu_seconds) = (Vec::new(), Vec::new());
             for _ in 0..repeats {
                 raws.push(raw_loopback(model_bytes as usize).await);
+                let cpu_before = process_cpu_seconds();
                 raw_relays.push(raw_chain(model_bytes as usize, count).await);
+                raw_relay_cpu_seconds.push(process_cpu_seconds() - cpu_before);
                 version += 1;
                 let sent_before = trainer.sent_bytes.load(Ordering::Relaxed);
-                seconds.push(
-                    sync(&trainer, &workers, &trainer_addr, &key, version, &weights, bucket_bytes).await,
-                );
+                let (wall, cpu) =
+                    sync(&trainer, &workers, &trainer_addr, &key, version, &weights, bucket_bytes).await;
+                seconds.push(wall);
+                cpu_seconds.push(cpu);
                 egress_bytes += trainer.sent_bytes.load(Ordering::Relaxed) - sent_before;
             }
+            let cpu_median = median(&mut cpu_seconds);
+            let raw_relay_cpu_median = median(&mut raw_relay_cpu_seconds);
             let raw = median(&mut raws);
             let raw_relay = median(&mut raw_relays);
             let median = median(&mut seconds);
             let delivered = model_bytes as f64 / median;
             eprintln!(
-                "{count} workers: {median:.3} s per sync, {:.2} GB/s to the last worker; raw loopback {:.2} GB/s, raw relay chain {:.2} GB/s",
+                "{count} workers: {median:.3} s per sync, {:.2} GB/s to the last worker, {:.3} CPU s; raw loopback {:.2} GB/s, raw relay chain {:.2} GB/s, {:.3} CPU s",
                 delivered / 1e9,
+                cpu_median,
                 raw / 1e9,
-                raw_relay / 1e9
+                raw_relay / 1e9,
+                raw_relay_cpu_median
             );
             rows.push(serde_json::json!({
                 "workers": count,
@@ -249,6 +291,8 @@ fn main() {
                 "raw_relay_chain_bytes_per_second": raw_relay,
                 "fraction_of_raw_relay_chain": delivered / raw_relay,
                 "trainer_egress_per_model_bytes": egress_bytes as f64 / (repeats as u64 * model_bytes) as f64,
+                "cpu_seconds_median": cpu_median,
+                "raw_relay_chain_cpu_seconds_median": raw_relay_cpu_median,
             }));
         }
         serde_json::json!({ "transport": rows })

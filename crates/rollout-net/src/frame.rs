@@ -24,8 +24,6 @@ pub const DEFAULT_MAX_HEADER_BYTES: u32 = 16 << 20;
 pub const DEFAULT_MAX_PAYLOAD_BYTES: u64 = 64 << 30;
 /// The room the decoder keeps for the rest of a frame before it grows its buffer.
 const MIN_ROOM: usize = 1 << 20;
-/// The read buffer's room while a large payload streams through it.
-const READ_ROOM: usize = 1 << 20;
 
 /// The most the decoder reserves ahead of bytes that have actually arrived, so a preamble
 /// alone cannot make it allocate a large frame; bigger frames grow the buffer as they arrive.
@@ -120,7 +118,8 @@ impl std::fmt::Debug for Frame {
 /// Decoding validates the whole preamble, including both lengths against the limits, before
 /// reserving any memory for a frame, and then reserves at most 8 MiB ahead of the bytes that
 /// have actually arrived. A large payload (see [`crate::payload`]) is moved out of the read
-/// buffer as it arrives, into a buffer of the codec's [`BufferPool`], and hashed on the way.
+/// buffer as it arrives, into a buffer of the codec's [`BufferPool`], and hashed on the way
+/// (a link's reader reads the rest of it from the socket straight into that buffer).
 /// After an error the stream is out of step and should be closed.
 #[derive(Debug, Clone)]
 pub struct FrameCodec {
@@ -163,6 +162,12 @@ impl FrameCodec {
     pub fn with_pool(mut self, pool: BufferPool) -> Self {
         self.pool = pool;
         self
+    }
+
+    /// The large payload arriving now, if one is: [`crate::read::FrameReader`] reads the
+    /// rest of it straight from the stream.
+    pub(crate) fn arriving_payload(&mut self) -> Option<&mut ArrivingPayload> {
+        self.arriving.as_mut().map(|(_, _, payload)| payload)
     }
 
     pub fn max_header_bytes(&self) -> u32 {
@@ -264,8 +269,6 @@ impl Decoder for FrameCodec {
             payload.take_from(src);
             if payload.missing() > 0 {
                 self.arriving = Some((kind, header, payload));
-                // Large reads while a payload streams in: one syscall per MiB, not per 8 KiB.
-                src.reserve(READ_ROOM);
                 return Ok(None);
             }
             let (payload, digest) = payload.finish();

@@ -4,6 +4,7 @@
 //! - [`messages`]: the message types, and [`MessageKind`], the number each travels under.
 //! - [`frame`]: [`Frame`] and [`FrameCodec`], a `tokio_util` codec for any byte stream.
 //! - [`payload`]: large payloads received into recycled buffers and hashed as they arrive.
+//! - `read`: frames read from a stream, large payloads straight into their buffers.
 //! - [`tensor`]: safetensors-shaped tables laying out bulk tensors in a frame's payload.
 //! - [`auth`]: the challenge-response every TCP connection passes before a frame is read.
 //! - [`link`]: authenticated TCP connections between roles.
@@ -54,6 +55,7 @@ pub mod heard;
 pub mod link;
 pub mod messages;
 pub mod payload;
+mod read;
 pub mod rpc;
 pub mod tensor;
 pub mod tls;

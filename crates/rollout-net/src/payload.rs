@@ -1,11 +1,13 @@
-//! Large frame payloads as they arrive: copied out of the read buffer into a recycled
-//! allocation and hashed while the bytes are still in cache. A weight bucket then costs
-//! neither a fresh allocation (whose pages the kernel faults in and zeroes) nor a second pass
-//! over memory to verify it.
+//! Large frame payloads as they arrive: read straight from the socket into a recycled
+//! allocation (bytes a read buffer already holds are copied out of it) and hashed while they
+//! are still in cache. A weight bucket then costs neither a fresh allocation (whose pages the
+//! kernel faults in and zeroes), nor a copy out of a read buffer, nor a second pass over
+//! memory to verify it.
 
 use std::sync::{Arc, Mutex, Weak};
 
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use tokio::io::{AsyncRead, AsyncReadExt};
 use xxhash_rust::xxh3::Xxh3;
 
 /// Payloads of at least this many bytes are received through a [`BufferPool`].
@@ -150,15 +152,41 @@ impl ArrivingPayload {
             return;
         }
         let arrived = &src[..count];
+        self.make_room(count);
+        self.hasher.update(arrived);
+        self.buf.extend_from_slice(arrived);
+        src.advance(count);
+    }
+
+    /// Reads at most `most` bytes of this payload from `io` straight into its buffer (no
+    /// read buffer in between) and hashes them while they are in cache; 0 at the end of the
+    /// stream. Never reads past the payload's end. Cancel-safe: nothing is read unless it
+    /// completes.
+    pub(crate) async fn read_from<R: AsyncRead + Unpin>(
+        &mut self,
+        io: &mut R,
+        most: usize,
+    ) -> std::io::Result<usize> {
+        let count = most.min(self.missing());
+        if count == 0 {
+            return Ok(0);
+        }
+        self.make_room(count);
+        let before = self.buf.len();
+        let read = io.read_buf(&mut (&mut self.buf).limit(count)).await?;
+        self.hasher.update(&self.buf[before..]);
+        Ok(read)
+    }
+
+    /// Makes room for `count` more bytes: as far again as has arrived, at least
+    /// MAX_GROWTH_AHEAD, never past the payload's end.
+    fn make_room(&mut self, count: usize) {
         let room = self.buf.capacity() - self.buf.len();
         if room < count {
             let ahead = self.buf.len().max(MAX_GROWTH_AHEAD);
             let wanted = self.missing().min(ahead.max(count));
             self.buf.reserve_exact(wanted);
         }
-        self.hasher.update(arrived);
-        self.buf.extend_from_slice(arrived);
-        src.advance(count);
     }
 
     pub(crate) fn missing(&self) -> usize {

@@ -9,16 +9,16 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncWriteExt, ReadHalf, WriteHalf};
 use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore, mpsc};
-use tokio_util::codec::{Decoder, Framed, FramedRead};
+use tokio_util::codec::Framed;
 
 use crate::frame::{Frame, FrameCodec, FrameError};
 use crate::heard::HeardClock;
 use crate::link::{Link, LinkLimits, NetError};
 use crate::messages::{ErrorMessage, Heartbeat, Hello, Message, MessageKind};
+use crate::read::FrameReader;
 use crate::tls::Stream as LinkStream;
 
 /// A request or response: the call it belongs to, whether more frames follow for it, and
@@ -143,11 +143,8 @@ fn start_server(
     }
 }
 
-/// The frames a link reads: those the greeting already read ahead of, then the socket's.
-type Stream = futures_util::stream::Chain<
-    futures_util::stream::Iter<std::vec::IntoIter<Result<Frame, FrameError>>>,
-    FramedRead<ReadHalf<LinkStream>, FrameCodec>,
->;
+/// The frames a link reads: those the greeting already read ahead, then the socket's.
+type Stream = FrameReader<ReadHalf<LinkStream>>;
 
 /// Writes frames with their payloads sent straight from their buffers (a weight bucket is
 /// not copied into a write buffer first).
@@ -178,36 +175,23 @@ impl Sink {
 }
 
 /// Splits a link's framed stream into its reading and writing halves, keeping what the
-/// greeting read ahead. Whole frames among those bytes are decoded here: a `FramedRead`
-/// handed them in its buffer would first wait for the socket to bring more (for a peer that
-/// sent its request with its greeting and now waits for the answer, until its next heartbeat).
+/// greeting read ahead (the reader decodes those bytes before it waits on the socket).
 fn split(framed: Framed<LinkStream, FrameCodec>) -> (Sink, Stream) {
     let parts = framed.into_parts();
-    let mut codec = parts.codec.clone();
-    let mut read_ahead = parts.read_buf;
-    let mut frames = Vec::new();
-    loop {
-        match codec.decode(&mut read_ahead) {
-            Ok(Some(frame)) => frames.push(Ok(frame)),
-            Ok(None) => break,
-            Err(err) => {
-                frames.push(Err(err));
-                read_ahead.clear();
-                break;
-            }
-        }
-    }
     let (read, write) = tokio::io::split(parts.io);
+    // The writer's codec has the same limits and no state; the reader keeps the one that
+    // read the greeting: it may hold the start of a large payload from the read-ahead.
+    let codec = FrameCodec::new()
+        .with_max_header_bytes(parts.codec.max_header_bytes())
+        .with_max_payload_bytes(parts.codec.max_payload_bytes());
     let sink = Sink {
         stream: write,
-        codec: parts.codec,
+        codec,
         head: BytesMut::new(),
     };
-    // The same codec reads on: it may hold the start of a large payload from the read-ahead.
-    let mut reader = FramedRead::new(read, codec);
-    reader.read_buffer_mut().extend_from_slice(&read_ahead);
-    (sink, futures_util::stream::iter(frames).chain(reader))
+    (sink, FrameReader::new(read, parts.codec, parts.read_buf))
 }
+
 type Replies = mpsc::UnboundedSender<Result<Frame, NetError>>;
 
 struct Outgoing {

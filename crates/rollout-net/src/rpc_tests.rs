@@ -2,7 +2,6 @@
 
 use super::*;
 use crate::messages::Done;
-use futures_util::StreamExt;
 use tokio_util::codec::Encoder;
 
 /// A request that arrived together with the peer's greeting is served at once, not when
