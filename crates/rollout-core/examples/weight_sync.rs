@@ -238,11 +238,10 @@ fn main() {
             for index in 0..count {
                 let store = WeightStore::default();
                 let addr = serve(&store, &key, &format!("worker-{index}")).await;
-                let limits = LinkLimits::default();
                 workers.push(Worker {
                     store,
                     addr,
-                    limits,
+                    limits: LinkLimits::default(),
                 });
             }
             // The baselines are measured between the syncs, so all three see the same machine.
