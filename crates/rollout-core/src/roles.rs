@@ -24,6 +24,24 @@ pub type RoleFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, RoleError>> +
 /// written.
 pub type SaveWritten = RoleFuture<'static, ()>;
 
+/// A weight version a learner has published: `announced` is enough to start pulling it;
+/// `sealed` is the same report with the version's checksum, which the learner may still be
+/// computing while generators pull (every rank's checksum, checked to agree).
+pub struct Publication {
+    pub announced: WeightsReport,
+    pub sealed: RoleFuture<'static, WeightsReport>,
+}
+
+impl Publication {
+    /// A version whose checksum was known when it was announced.
+    pub fn sealed(report: WeightsReport) -> Self {
+        Self {
+            announced: report.clone(),
+            sealed: Box::pin(async move { Ok(report) }),
+        }
+    }
+}
+
 /// Why a role could not do what it was asked: the same for a role in this process and one
 /// on another machine.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -49,11 +67,12 @@ pub enum RoleError {
 pub trait Generator: Send + Sync {
     /// Samples completions with the weights the generator currently holds.
     fn generate(&self, request: GenerateRequest) -> RoleFuture<'_, GenerateResponse>;
-    /// Makes `weights` the version served from the next generation request on (a request
-    /// already running finishes with the version it started with). Returns what each
-    /// generation worker then serves. In-process, the generator shares the learner's
-    /// weights and there is nothing to copy.
-    fn load_weights(&self, weights: WeightsReport) -> RoleFuture<'_, Vec<WeightsReport>>;
+    /// Makes the published version the one served from the next generation request on (a
+    /// request already running finishes with the version it started with): generators may
+    /// pull it as soon as it is announced, but serve it only once it matches the sealed
+    /// checksum. Returns what each generation worker then serves. In-process, the generator
+    /// shares the learner's weights and there is nothing to copy.
+    fn load_weights(&self, weights: Publication) -> RoleFuture<'_, Vec<WeightsReport>>;
     /// The update of `step` has been applied: whatever the generator tracks about the
     /// step's samples is settled. Returns the generator's metrics since the last call.
     fn step_trained(&self, _step: u64) -> RoleFuture<'_, BTreeMap<String, f64>> {
@@ -97,8 +116,8 @@ pub trait Learner: Send + Sync {
     /// Restores what `save` wrote; the weights become `weight_version`.
     fn restore(&self, directory: PathBuf, weight_version: u64) -> RoleFuture<'_, ()>;
     /// Exports the current weights as a version generators can load, in buckets of
-    /// `bucket_bytes`.
-    fn publish_weights(&self, bucket_bytes: u64) -> RoleFuture<'_, WeightsReport>;
+    /// `bucket_bytes`; returns once it can be pulled, perhaps before its checksum is known.
+    fn publish_weights(&self, bucket_bytes: u64) -> RoleFuture<'_, Publication>;
     /// Whether generators need `publish_weights` + `Generator::load_weights` after an update
     /// (not when they share the learner's weights in one process).
     fn needs_weight_sync(&self) -> bool;

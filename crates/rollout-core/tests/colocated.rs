@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use rollout_core::cluster::ledger::{Ledger, audit};
 use rollout_core::cluster::pool::{PoolSettings, RemoteWorkers};
-use rollout_core::roles::{Generator, RoleFuture};
+use rollout_core::roles::{Generator, Publication, RoleFuture};
 use rollout_core::train::{Controller, PolicyRoles, Roles, Start, Trainees};
 use rollout_net::ClusterKey;
 use rollout_net::messages::{
@@ -71,7 +71,7 @@ impl Generator for Recording {
         self.record("generate");
         self.pool.generate(request)
     }
-    fn load_weights(&self, weights: WeightsReport) -> RoleFuture<'_, Vec<WeightsReport>> {
+    fn load_weights(&self, weights: Publication) -> RoleFuture<'_, Vec<WeightsReport>> {
         self.record("load_weights");
         self.pool.load_weights(weights)
     }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use rollout_core::cluster::ledger::{Ledger, audit};
 use rollout_core::cluster::pool::{PoolSettings, RemoteWorkers};
-use rollout_core::roles::Generator;
+use rollout_core::roles::{Generator, Publication};
 use rollout_core::telemetry::Telemetry;
 use rollout_net::ClusterKey;
 use rollout_net::link::{Link, LinkLimits};
@@ -285,7 +285,10 @@ async fn a_late_worker_whose_version_is_replaced_mid_pull_pulls_the_newer_one() 
         &dir.path().join("ledger.jsonl"),
     )
     .await;
-    workers.load_weights(weights(1)).await.unwrap();
+    workers
+        .load_weights(Publication::sealed(weights(1)))
+        .await
+        .unwrap();
     let (links, joined) = tokio::sync::mpsc::channel(1);
     workers.admit_late_workers(joined, "config".into());
 
@@ -344,7 +347,10 @@ async fn a_late_worker_whose_version_is_replaced_mid_pull_pulls_the_newer_one() 
         .unwrap();
     links.send(link).await.unwrap();
     first_pull.recv().await.unwrap();
-    workers.load_weights(weights(2)).await.unwrap();
+    workers
+        .load_weights(Publication::sealed(weights(2)))
+        .await
+        .unwrap();
     replaced.send(()).unwrap();
 
     let response = tokio::time::timeout(Duration::from_secs(10), workers.generate(request(1, 2)))
@@ -358,4 +364,130 @@ async fn a_late_worker_whose_version_is_replaced_mid_pull_pulls_the_newer_one() 
         vec![1, 2],
         "the newer version is pulled after the failed one"
     );
+}
+
+/// A version announced before its checksum is known: the workers are told to pull it at
+/// once, but it is served (and generation carries it) only once each has its seal.
+#[tokio::test]
+async fn an_unsealed_version_is_served_once_every_worker_has_its_seal() {
+    let dir = tempfile::tempdir().unwrap();
+    let journal = dir.path().join("ledger.jsonl");
+    let behaviours = [Behaviour::Healthy, Behaviour::Healthy];
+    let workers = pool(&behaviours, PoolSettings::default(), &journal).await;
+    let (seal, sealed) = tokio::sync::oneshot::channel::<WeightsReport>();
+    let publication = Publication {
+        announced: WeightsReport {
+            checksum: String::new(),
+            ..weights(1)
+        },
+        sealed: Box::pin(async move { Ok(sealed.await.unwrap()) }),
+    };
+    let mut loading = workers.load_weights(publication);
+    let early = tokio::time::timeout(Duration::from_millis(100), &mut loading).await;
+    assert!(early.is_err(), "served before the seal: {early:?}");
+    seal.send(weights(1)).unwrap();
+    let served = loading.await.unwrap();
+    assert_eq!(served.len(), 2);
+    assert!(
+        served.iter().all(|report| *report == weights(1)),
+        "{served:?}"
+    );
+    let response = workers.generate(request(1, 2)).await.unwrap();
+    assert!(
+        response
+            .groups
+            .iter()
+            .flatten()
+            .all(|c| c.weight_version == 1)
+    );
+
+    // A seal of another version than the one announced stops the sync.
+    let publication = Publication {
+        announced: WeightsReport {
+            checksum: String::new(),
+            ..weights(2)
+        },
+        sealed: Box::pin(async { Ok(weights(3)) }),
+    };
+    let err = workers.load_weights(publication).await.unwrap_err();
+    assert!(err.to_string().contains("version 3 sealed"), "{err}");
+}
+
+/// A worker that joins while a version is announced but not yet sealed is given it sealed,
+/// whether or not the controller is awaiting the load (with staleness, nothing is).
+#[tokio::test]
+async fn a_worker_joining_before_the_seal_pulls_the_sealed_version() {
+    let dir = tempfile::tempdir().unwrap();
+    let workers = pool(
+        &[],
+        PoolSettings::default(),
+        &dir.path().join("ledger.jsonl"),
+    )
+    .await;
+    let (links, joined) = tokio::sync::mpsc::channel(1);
+    workers.admit_late_workers(joined, "config".into());
+    let (seal, sealed) = tokio::sync::oneshot::channel::<WeightsReport>();
+    let publication = Publication {
+        announced: WeightsReport {
+            checksum: String::new(),
+            ..weights(1)
+        },
+        sealed: Box::pin(async move { Ok(sealed.await.unwrap()) }),
+    };
+    let _loading_not_awaited = workers.load_weights(publication);
+
+    let key = ClusterKey::from_secret(ClusterKey::random_secret().as_bytes()).unwrap();
+    let listener = rollout_net::link::listen("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    let limits = LinkLimits::default();
+    let latecomer = tokio::spawn({
+        let (key, limits) = (key.clone(), limits.clone());
+        async move {
+            let link = Link::connect(&address, &key, &hello("worker", "late"), &limits)
+                .await
+                .unwrap();
+            let mut server = link.server();
+            let mut synced = Vec::new();
+            while let Some(incoming) = server.requests.recv().await {
+                let (call, responder) = (incoming.call, &server.responder);
+                match incoming.frame.kind {
+                    MessageKind::Welcome => responder.reply(call, &Done {}, Bytes::new(), false),
+                    MessageKind::SyncWeights => {
+                        let request: SyncWeights = incoming.decode().unwrap();
+                        synced.push(request.weights.clone());
+                        responder.reply(call, &request.weights, Bytes::new(), false)
+                    }
+                    MessageKind::GenerateRequest => {
+                        let request: GenerateRequest = incoming.decode().unwrap();
+                        let groups = request.prompts.iter().map(|p| vec![seed_completion(p); 2]);
+                        let response = GenerateResponse {
+                            groups: groups.collect(),
+                            metrics: Default::default(),
+                        };
+                        responder
+                            .reply(call, &response, Bytes::new(), false)
+                            .unwrap();
+                        return synced;
+                    }
+                    other => panic!("unexpected {other:?}"),
+                }
+                .unwrap();
+            }
+            synced
+        }
+    });
+    let (stream, _) = listener.accept().await.unwrap();
+    let link = Link::accept(stream, &key, &hello("controller", "controller"), &limits)
+        .await
+        .unwrap();
+    links.send(link).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    seal.send(weights(1)).unwrap();
+
+    let response = tokio::time::timeout(Duration::from_secs(10), workers.generate(request(1, 2)))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_every_prompt_answered(&response, 2);
+    assert_eq!(latecomer.await.unwrap(), vec![weights(1)]);
 }

@@ -463,6 +463,9 @@ pub enum CheckpointRequest {
 pub struct Done {}
 
 /// Asks the trainers to snapshot their current weights for generation workers to pull.
+/// Answered with a [`WeightsReport`]; a rank that serves the version may first announce it,
+/// unsealed (`more` set), as soon as it can be pulled, and answer the sealed report once
+/// its checksum is known.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PublishWeights {
     /// Bytes per bucket of the snapshot.
@@ -474,6 +477,8 @@ pub struct PublishWeights {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WeightsReport {
     pub version: u64,
+    /// Empty while the version is announced but not yet sealed: its publisher is still
+    /// checksumming buckets that can already be pulled (see [`SealWeights`]).
     pub checksum: String,
     pub bytes: u64,
     /// `host:port` of a weight server holding this version (empty: none, e.g. in-process).
@@ -484,10 +489,26 @@ pub struct WeightsReport {
     pub holder: String,
 }
 
+impl WeightsReport {
+    /// Whether the version's checksum is known.
+    pub fn is_sealed(&self) -> bool {
+        !self.checksum.is_empty()
+    }
+}
+
 /// Controller -> generation worker: pull `weights` from `weights.source`, verify every bucket
 /// and the whole version's checksum, and serve it from the next generation request on.
+/// Unsealed `weights` are pulled at once, but served only once a [`SealWeights`] for the
+/// version brings the checksum they must match.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SyncWeights {
+    pub weights: WeightsReport,
+}
+
+/// Controller -> generation worker, answered with [`Done`]: the sealed report (checksum
+/// included) of a version an earlier [`SyncWeights`] announced unsealed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SealWeights {
     pub weights: WeightsReport,
 }
 
@@ -553,10 +574,11 @@ pub enum MessageKind {
     ValuesRequest = 22,
     ValuesResponse = 23,
     GeneratorMemory = 24,
+    SealWeights = 25,
 }
 
 impl MessageKind {
-    pub const ALL: [MessageKind; 24] = [
+    pub const ALL: [MessageKind; 25] = [
         MessageKind::Hello,
         MessageKind::Heartbeat,
         MessageKind::Error,
@@ -581,6 +603,7 @@ impl MessageKind {
         MessageKind::ValuesRequest,
         MessageKind::ValuesResponse,
         MessageKind::GeneratorMemory,
+        MessageKind::SealWeights,
     ];
 
     /// The kind numbered `n`, if there is one.
@@ -598,7 +621,7 @@ impl MessageKind {
         use MessageKind::*;
         match self {
             Hello | Heartbeat | Done | Shutdown | PublishWeights | WeightsReport | SyncWeights
-            | PullWeights | CheckpointRequest | GeneratorMemory => 64 << 10,
+            | PullWeights | CheckpointRequest | GeneratorMemory | SealWeights => 64 << 10,
             Error => 4 << 20,
             Welcome | WeightsBucket | WeightsUpdate => 16 << 20,
             GenerateRequest | GenerateResponse | ScoreRequest | ScoreResponse | TrainRequest
@@ -641,6 +664,7 @@ impl MessageKind {
             MessageKind::ValuesRequest => "ValuesRequest",
             MessageKind::ValuesResponse => "ValuesResponse",
             MessageKind::GeneratorMemory => "GeneratorMemory",
+            MessageKind::SealWeights => "SealWeights",
         }
     }
 }
@@ -689,4 +713,5 @@ impl_message! {
     ValuesRequest => ValuesRequest,
     ValuesResponse => ValuesResponse,
     GeneratorMemory => GeneratorMemory,
+    SealWeights => SealWeights,
 }

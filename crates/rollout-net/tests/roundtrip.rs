@@ -274,6 +274,7 @@ fn samples() -> Vec<Frame> {
             Bytes::new(),
         ),
         Frame::from_message(&GeneratorMemory::Release, Bytes::new()),
+        Frame::from_message(&SealWeights { weights: report() }, Bytes::new()),
     ];
     frames.into_iter().map(Result::unwrap).collect()
 }

@@ -1,8 +1,8 @@
 //! Cutting a policy's tensors into weight buckets. `BucketLayout` decides where each
 //! tensor's bytes go; [`VersionBuilder`] copies tensors into their buckets as a policy hands
-//! them over one at a time; [`PlannedVersion`] lays out and checksums tensors that are all at
-//! hand before it copies any byte, so a trainer can report a version (and workers start
-//! pulling it) while its buckets are still being filled, and a rank that only reports a
+//! them over one at a time; [`PlannedVersion`] lays out tensors that are all at hand before
+//! it copies any byte, so a trainer can announce a version (and workers start pulling it)
+//! while its buckets are still being filled and checksummed, and a rank that only reports a
 //! checksum copies nothing.
 //!
 //! Both lay tensors out alike: each starts at a multiple of [`TENSOR_ALIGN`] (gaps are
@@ -21,12 +21,13 @@ use rollout_net::tensor::{
 
 use super::weights::{Bucket, VersionBuffer, VersionHasher, WeightsError};
 
-/// A version a trainer exported: its checksum and size and, when it serves the version, the
-/// buffer its buckets are filled into (possibly still being filled: pullers wait for each).
+/// A version a trainer exported: its size, its checksum (`None` while the buffer is still
+/// being filled: [`VersionBuffer::sealed`] has it then) and, when it serves the version, the
+/// buffer its buckets are filled into (pullers wait for each).
 #[derive(Debug)]
 pub struct ExportedVersion {
     pub version: u64,
-    pub checksum: String,
+    pub checksum: Option<String>,
     pub bytes: u64,
     pub buffer: Option<Arc<VersionBuffer>>,
 }
@@ -269,20 +270,20 @@ impl VersionBuffer {
     }
 }
 
-/// A version laid out and checksummed from tensors that are all at hand (read in place, not
-/// copied), whose buckets are filled afterwards: its checksum is known before any byte is
-/// copied, and [`PlannedVersion::fill`] can run while pullers already wait for its buckets.
+/// A version laid out from tensors that are all at hand (read in place, not copied). A rank
+/// that only reports the version [`PlannedVersion::checksum`]s it without copying a byte;
+/// one that serves it announces the version at once and [`PlannedVersion::fill`]s its
+/// buckets while pullers already wait for them, each checksummed as it is copied.
 pub struct PlannedVersion<'a> {
     version: u64,
-    headers: Vec<WeightsBucket>,
+    tables: Vec<TensorTable>,
     lens: Vec<usize>,
     /// Each bucket's contents: where each run of source bytes goes.
     contents: Vec<Vec<(usize, &'a [u8])>>,
 }
 
 impl<'a> PlannedVersion<'a> {
-    /// Lays `tensors` (name, dtype, shape, bytes) out in buckets of about `bucket_bytes` and
-    /// checksums every bucket, reading each byte once.
+    /// Lays `tensors` (name, dtype, shape, bytes) out in buckets of about `bucket_bytes`.
     pub fn plan<'t>(
         version: u64,
         bucket_bytes: u64,
@@ -300,20 +301,21 @@ impl<'a> PlannedVersion<'a> {
         }
         let (tables, lens) = layout.finish();
         contents.resize_with(tables.len(), Vec::new);
-        let checksums = checksum_buckets(&contents);
         Ok(Self {
             version,
-            headers: headers(version, tables, checksums),
+            tables,
             lens,
             contents,
         })
     }
 
-    /// The version checksum ([`VersionBuffer::checksum`] once filled).
+    /// The version checksum ([`VersionBuffer::checksum`] once filled), reading every byte
+    /// once, in place.
     pub fn checksum(&self) -> String {
+        let checksums = checksum_buckets(&self.contents);
         let mut hasher = VersionHasher::default();
-        for header in &self.headers {
-            hasher.add(header);
+        for header in headers(self.version, self.tables.clone(), checksums) {
+            hasher.add(&header);
         }
         hasher.finish()
     }
@@ -325,28 +327,52 @@ impl<'a> PlannedVersion<'a> {
 
     /// An empty buffer for this version, for [`PlannedVersion::fill`].
     pub fn buffer(&self) -> VersionBuffer {
-        VersionBuffer::new(self.version, self.headers.len() as u32)
+        VersionBuffer::new(self.version, self.tables.len() as u32)
     }
 
     /// Copies each bucket into `buffer` (written into `allocations` where there are any),
-    /// in order, each published to pullers as soon as it is whole.
+    /// in order, checksumming its bytes while they are still in cache, and publishes it to
+    /// pullers as soon as it is whole. The buffer is sealed once the last bucket is in.
     pub fn fill(self, buffer: &Arc<VersionBuffer>, mut allocations: Vec<Vec<u8>>) {
-        for ((header, runs), len) in self.headers.into_iter().zip(self.contents).zip(self.lens) {
+        let count = self.tables.len() as u32;
+        let buckets = self.tables.into_iter().zip(self.contents).zip(self.lens);
+        for (index, ((tensors, runs), len)) in buckets.enumerate() {
             let mut payload = allocation(&mut allocations, len);
             payload.reserve(len);
-            for (offset, bytes) in runs {
-                write_at(&mut payload, offset, bytes);
-            }
+            let checksum = copy_and_checksum(&mut payload, &runs);
             buffer.push(Bucket {
-                header,
+                header: WeightsBucket {
+                    version: self.version,
+                    index: index as u32,
+                    count,
+                    checksum,
+                    tensors,
+                },
                 payload: Bytes::from(payload),
             });
         }
     }
 }
 
-/// Checksums every bucket, the buckets shared out over the machine's cores: the version is
-/// reported only once all are known, while every worker waits for it.
+/// Lays `runs` out in `payload` (zeroing the alignment gaps) and returns the payload's
+/// [`checksum`], each stretch hashed right after it is copied.
+fn copy_and_checksum(payload: &mut Vec<u8>, runs: &[(usize, &[u8])]) -> String {
+    const STRETCH: usize = 1 << 20;
+    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    for &(offset, bytes) in runs {
+        let gap = payload.len();
+        payload.resize(offset, 0);
+        hasher.update(&payload[gap..]);
+        for stretch in bytes.chunks(STRETCH) {
+            let start = payload.len();
+            payload.extend_from_slice(stretch);
+            hasher.update(&payload[start..]);
+        }
+    }
+    format!("{:032x}", hasher.digest128())
+}
+
+/// Checksums every bucket in place, the buckets shared out over the machine's cores.
 fn checksum_buckets(contents: &[Vec<(usize, &[u8])>]) -> Vec<String> {
     let threads = std::thread::available_parallelism()
         .map_or(1, |cores| cores.get())

@@ -73,9 +73,9 @@ fn a_tensor_larger_than_a_bucket_travels_in_aligned_pieces_of_its_own() {
     let tensors = tensors();
     let plan = planned(&tensors, 30).unwrap();
     let pieces: Vec<&TensorMeta> = plan
-        .headers
+        .tables
         .iter()
-        .flat_map(|h| &h.tensors.tensors)
+        .flat_map(|table| &table.tensors)
         .filter(|meta| meta.name == "layer.2.weight")
         .collect();
     // 260 bytes in 24-byte pieces, each alone in its bucket.
@@ -83,13 +83,9 @@ fn a_tensor_larger_than_a_bucket_travels_in_aligned_pieces_of_its_own() {
     assert!(pieces.iter().all(|p| p.offset == 0 && p.len <= 24));
     let starts: Vec<u64> = pieces.iter().filter_map(|p| p.piece_start).collect();
     assert_eq!(starts, (0..11).map(|i| i * 24).collect::<Vec<_>>());
-    for header in &plan.headers {
-        let has_piece = header
-            .tensors
-            .tensors
-            .iter()
-            .any(|m| m.piece_start.is_some());
-        assert!(!has_piece || header.tensors.tensors.len() == 1);
+    for table in &plan.tables {
+        let has_piece = table.tensors.iter().any(|m| m.piece_start.is_some());
+        assert!(!has_piece || table.tensors.len() == 1);
     }
 }
 
@@ -116,7 +112,7 @@ fn duplicate_names_and_wrong_lengths_are_refused_whichever_way_a_version_is_cut(
 #[test]
 fn a_model_without_tensors_is_one_empty_bucket() {
     let plan = planned(&[], 64).unwrap();
-    assert_eq!(plan.headers.len(), 1);
+    assert_eq!(plan.tables.len(), 1);
     assert_eq!(plan.checksum(), built(&[], 64).checksum());
 }
 
@@ -124,7 +120,7 @@ fn a_model_without_tensors_is_one_empty_bucket() {
 fn filling_reuses_the_allocations_it_is_given() {
     let tensors = tensors();
     let plan = planned(&tensors, 100).unwrap();
-    let allocations: Vec<Vec<u8>> = (0..plan.headers.len())
+    let allocations: Vec<Vec<u8>> = (0..plan.tables.len())
         .map(|_| Vec::with_capacity(128))
         .collect();
     let pointers: Vec<*const u8> = allocations.iter().map(|a| a.as_ptr()).collect();
@@ -134,4 +130,29 @@ fn filling_reuses_the_allocations_it_is_given() {
         .filter(|&i| pointers.contains(&buffer.bucket(i).unwrap().payload.as_ptr()))
         .count();
     assert_eq!(reused, pointers.len());
+}
+
+#[test]
+fn a_bucket_filled_in_stretches_has_the_checksum_of_its_bytes() {
+    // A 3 MiB tensor between two small ones: copied and hashed a stretch at a time, with an
+    // alignment gap before the last.
+    let mut tensors = tensors();
+    tensors[1] = TensorBytes {
+        name: "embed.weight".into(),
+        dtype: Dtype::F32,
+        shape: vec![3 << 18],
+        data: (0..3u32 << 20)
+            .map(|b| (b % 251) as u8)
+            .collect::<Vec<u8>>()
+            .into(),
+    };
+    let built = built(&tensors, 8 << 20);
+    let plan = planned(&tensors, 8 << 20).unwrap();
+    let buffer = Arc::new(plan.buffer());
+    plan.fill(&buffer, Vec::new());
+    assert_eq!(buffer.count, 1);
+    let bucket = buffer.bucket(0).unwrap();
+    assert_eq!(bucket.header.checksum, checksum(&bucket.payload));
+    assert_eq!(bucket.payload, built.bucket(0).unwrap().payload);
+    assert_eq!(buffer.checksum(), built.checksum());
 }

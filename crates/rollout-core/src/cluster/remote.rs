@@ -14,7 +14,7 @@ use rollout_net::messages::{
 use rollout_net::rpc::{Call, RpcClient};
 
 use crate::config::Sharding;
-use crate::roles::{Learner, RoleError, RoleFuture, SaveWritten};
+use crate::roles::{Learner, Publication, RoleError, RoleFuture, SaveWritten};
 
 fn role_error(err: NetError) -> RoleError {
     match err {
@@ -103,6 +103,35 @@ impl RemoteTrainers {
             Ok(answers)
         }
     }
+}
+
+/// The next report a rank answers a `PublishWeights` with, and whether another follows.
+async fn next_report(call: &mut Call) -> Result<(WeightsReport, bool), RoleError> {
+    let frame = call
+        .next_frame()
+        .await
+        .map_err(role_error)?
+        .ok_or_else(|| RoleError::Protocol("a trainer rank ended its publish unanswered".into()))?;
+    let (report, more, _) = call.decode::<WeightsReport>(frame).map_err(role_error)?;
+    Ok((report, more))
+}
+
+/// Checks that every other data-parallel rank holds rank 0's weights.
+fn agree(rank0: &WeightsReport, others: &[WeightsReport]) -> Result<(), RoleError> {
+    for (rank, report) in others.iter().enumerate() {
+        if report.checksum != rank0.checksum || report.version != rank0.version {
+            return Err(RoleError::Protocol(format!(
+                "trainer rank {} holds weights {} (version {}) but rank 0 holds {} (version \
+                 {}): the data-parallel ranks diverged",
+                rank + 1,
+                report.checksum,
+                report.version,
+                rank0.checksum,
+                rank0.version
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// A pass that contributes nothing but its collectives: `batch` with no token in its loss.
@@ -302,34 +331,50 @@ impl Learner for RemoteTrainers {
         })
     }
 
-    fn publish_weights(&self, bucket_bytes: u64) -> RoleFuture<'_, WeightsReport> {
-        let requests = vec![PublishWeights { bucket_bytes }; self.ranks.len()];
-        let reports = self.on_every_rank::<_, WeightsReport>(requests);
+    /// Rank 0 announces the version as soon as it can be pulled and seals it once its
+    /// checksum is known; the seal also waits for the other ranks' checksums, which must
+    /// agree with rank 0's unless the ranks shard the weights.
+    fn publish_weights(&self, bucket_bytes: u64) -> RoleFuture<'_, Publication> {
+        let request = PublishWeights { bucket_bytes };
+        let calls: Vec<_> = self
+            .ranks
+            .iter()
+            .map(|rank| rank.call(&request, Bytes::new()))
+            .collect();
         let sharded = self.sharded;
         Box::pin(async move {
-            let mut reports = reports.await?;
-            if reports.is_empty() {
+            let mut calls = calls
+                .into_iter()
+                .collect::<Result<Vec<Call>, NetError>>()
+                .map_err(role_error)?;
+            if calls.is_empty() {
                 return Err(RoleError::Protocol("no trainer rank".into()));
             }
-            let rank0 = reports.remove(0);
-            if sharded {
-                // Only rank 0 gathers whole weights; the others hold parts of them.
-                return Ok(rank0);
-            }
-            for (rank, report) in reports.iter().enumerate() {
-                if report.checksum != rank0.checksum || report.version != rank0.version {
-                    return Err(RoleError::Protocol(format!(
-                        "trainer rank {} holds weights {} (version {}) but rank 0 holds {} \
-                         (version {}): the data-parallel ranks diverged",
-                        rank + 1,
-                        report.checksum,
-                        report.version,
-                        rank0.checksum,
-                        rank0.version
-                    )));
+            let mut rank0 = calls.remove(0);
+            let (first, more) = next_report(&mut rank0).await?;
+            let announced = first.clone();
+            let sealed = async move {
+                let rank0 = if more {
+                    let (sealed, _) = next_report(&mut rank0).await?;
+                    sealed
+                } else {
+                    first
+                };
+                let mut reports = Vec::with_capacity(calls.len());
+                for call in calls {
+                    let (report, _) = call.answer::<WeightsReport>().await.map_err(role_error)?;
+                    reports.push(report);
                 }
-            }
-            Ok(rank0)
+                if !sharded {
+                    // Only rank 0 gathers whole weights when the ranks shard them.
+                    agree(&rank0, &reports)?;
+                }
+                Ok(rank0)
+            };
+            Ok(Publication {
+                announced,
+                sealed: Box::pin(sealed),
+            })
         })
     }
 

@@ -63,6 +63,8 @@ pub enum WeightsError {
         expected: String,
         found: String,
     },
+    #[error("weight version {version} was pulled unsealed, and {reason}")]
+    Unsealed { version: u64, reason: String },
     #[error("{0}")]
     Tensor(#[from] rollout_net::TensorError),
     #[error("tensor `{name}` arrived in pieces that do not join: {reason}")]
@@ -134,6 +136,15 @@ impl VersionBuffer {
             Ok(Ok(_)) => self.bucket(index),
             _ => None,
         }
+    }
+
+    /// The version checksum once every bucket is in (a version being filled is sealed by
+    /// its last bucket); `None` if that takes longer than `limit`.
+    pub async fn sealed(&self, limit: Duration) -> Option<String> {
+        let mut arrived = self.arrived.subscribe();
+        let count = self.count;
+        let whole = tokio::time::timeout(limit, arrived.wait_for(|&n| n >= count)).await;
+        matches!(whole, Ok(Ok(_))).then(|| self.checksum())
     }
 
     /// Every tensor with its bytes, once all buckets are in (see [`TensorAssembler`]).
@@ -402,7 +413,8 @@ impl WeightStore {
 
     /// Pulls `report.version` from `source`, verifying each bucket before storing it here
     /// (where this process's own weight server relays it on at once), then the whole
-    /// version's checksum.
+    /// version's checksum if `report` is sealed (else the caller checks
+    /// [`VersionBuffer::checksum`] against the seal).
     pub async fn pull(
         &self,
         source: &RpcClient,
@@ -474,7 +486,7 @@ impl WeightStore {
             });
         }
         let found = version_hasher.finish();
-        if found != report.checksum {
+        if report.is_sealed() && found != report.checksum {
             return Err(WeightsError::ChecksumMismatch {
                 version: report.version,
                 expected: report.checksum.clone(),
@@ -483,6 +495,40 @@ impl WeightStore {
         }
         Ok(buffer)
     }
+}
+
+/// The seal of a version pulled unsealed: waits until `seals` holds the sealed report of
+/// `buffer`'s version and returns it if the buffer has its checksum.
+pub async fn seal_of(
+    buffer: &VersionBuffer,
+    seals: &mut watch::Receiver<Option<WeightsReport>>,
+    limit: Duration,
+) -> Result<WeightsReport, WeightsError> {
+    let version = buffer.version;
+    let unsealed = |reason: String| WeightsError::Unsealed { version, reason };
+    let arrived = seals.wait_for(|seal| seal.as_ref().is_some_and(|s| s.version >= version));
+    let seal = match tokio::time::timeout(limit, arrived).await {
+        Ok(Ok(seal)) => seal.as_ref().cloned(),
+        Ok(Err(_)) => return Err(unsealed("its seal can no longer arrive".into())),
+        Err(_) => {
+            return Err(unsealed(format!(
+                "no seal arrived within {} s",
+                limit.as_secs()
+            )));
+        }
+    };
+    let Some(seal) = seal.filter(|seal| seal.version == version) else {
+        return Err(unsealed("a later version was sealed instead".into()));
+    };
+    let found = buffer.checksum();
+    if found != seal.checksum {
+        return Err(WeightsError::ChecksumMismatch {
+            version,
+            expected: seal.checksum,
+            found,
+        });
+    }
+    Ok(seal)
 }
 
 impl VersionBuffer {

@@ -3,7 +3,7 @@
 use rollout_net::Dtype;
 
 use super::*;
-use crate::cluster::buckets::VersionBuilder;
+use crate::cluster::buckets::{PlannedVersion, VersionBuilder};
 
 fn tensors() -> Vec<TensorBytes> {
     (0..5)
@@ -154,4 +154,122 @@ fn each_tensor_is_assembled_as_soon_as_its_last_bucket_is_in() {
     assert!(assembler.add(&first).unwrap().is_empty());
     let err = assembler.finish().unwrap_err();
     assert!(err.to_string().contains("never arrived"), "{err}");
+}
+
+fn report(version: u64, checksum: &str) -> WeightsReport {
+    WeightsReport {
+        version,
+        checksum: checksum.into(),
+        bytes: 0,
+        source: String::new(),
+        holder: "trainer".into(),
+    }
+}
+
+fn planned(tensors: &[TensorBytes]) -> PlannedVersion<'_> {
+    let views = tensors
+        .iter()
+        .map(|t| (t.name.as_str(), t.dtype, t.shape.as_slice(), &t.data[..]));
+    PlannedVersion::plan(3, 100, views).unwrap()
+}
+
+#[tokio::test]
+async fn a_buffer_is_sealed_by_its_last_bucket() {
+    let tensors = tensors();
+    let plan = planned(&tensors);
+    let expected = plan.checksum();
+    let buffer = Arc::new(plan.buffer());
+    assert_eq!(buffer.sealed(Duration::from_millis(20)).await, None);
+    let waiting = tokio::spawn({
+        let buffer = buffer.clone();
+        async move { buffer.sealed(Duration::from_secs(10)).await }
+    });
+    plan.fill(&buffer, Vec::new());
+    assert_eq!(waiting.await.unwrap(), Some(expected));
+}
+
+#[tokio::test]
+async fn a_version_pulled_unsealed_is_served_only_with_its_own_seal() {
+    let buffer = VersionBuffer::from_tensors(3, &tensors(), 100).unwrap();
+    let checksum = buffer.checksum();
+    let limit = Duration::from_secs(10);
+    let (seals, mut heard) = watch::channel(None);
+    let sealing = tokio::spawn({
+        let checksum = checksum.clone();
+        async move {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            seals.send_replace(Some(report(3, &checksum)));
+            seals
+        }
+    });
+    let sealed = seal_of(&buffer, &mut heard, limit).await.unwrap();
+    assert_eq!(sealed, report(3, &checksum));
+    let seals = sealing.await.unwrap();
+
+    seals.send_replace(Some(report(3, &"0".repeat(32))));
+    let err = seal_of(&buffer, &mut seals.subscribe(), limit).await;
+    assert!(
+        matches!(err, Err(WeightsError::ChecksumMismatch { .. })),
+        "{err:?}"
+    );
+    seals.send_replace(Some(report(4, &checksum)));
+    let err = seal_of(&buffer, &mut seals.subscribe(), limit).await;
+    assert!(format!("{err:?}").contains("a later version"), "{err:?}");
+
+    let (gone, mut heard) = watch::channel(None);
+    drop(gone);
+    let err = seal_of(&buffer, &mut heard, limit).await;
+    assert!(
+        format!("{err:?}").contains("can no longer arrive"),
+        "{err:?}"
+    );
+    let (_quiet, mut heard) = watch::channel(None);
+    let err = seal_of(&buffer, &mut heard, Duration::from_millis(20)).await;
+    assert!(format!("{err:?}").contains("no seal arrived"), "{err:?}");
+}
+
+fn hello(name: &str) -> Hello {
+    Hello {
+        role: "test".into(),
+        name: name.into(),
+        version: env!("CARGO_PKG_VERSION").into(),
+        credits: 16,
+        info: serde_json::Value::Null,
+    }
+}
+
+#[tokio::test]
+async fn a_version_announced_before_it_is_filled_is_pulled_whole() {
+    let tensors = tensors();
+    let plan = planned(&tensors);
+    let sealed = plan.checksum();
+    let buffer = Arc::new(plan.buffer());
+    let trainer = WeightStore::default();
+    trainer.publish(buffer.clone());
+    let key = ClusterKey::from_secret(ClusterKey::random_secret().as_bytes()).unwrap();
+    let listener = rollout_net::link::listen("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap().to_string();
+    let (limits, wait) = (LinkLimits::default(), Duration::from_secs(10));
+    trainer.serve(
+        listener,
+        key.clone(),
+        hello("trainer"),
+        limits.clone(),
+        wait,
+    );
+    let link = Link::connect(&address, &key, &hello("worker"), &limits)
+        .await
+        .unwrap();
+    let announced = report(3, "");
+    let worker = WeightStore::default();
+    let pulling = tokio::spawn(async move { worker.pull(&link.client(), &announced).await });
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    plan.fill(&buffer, Vec::new());
+    let pulled = pulling.await.unwrap().unwrap();
+    let (_seals, mut heard) = watch::channel(Some(report(3, &sealed)));
+    assert_eq!(
+        seal_of(&pulled, &mut heard, wait).await.unwrap().checksum,
+        sealed
+    );
+    assert_eq!(pulled.tensors().unwrap(), tensors);
 }

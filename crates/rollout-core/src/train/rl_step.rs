@@ -217,8 +217,8 @@ impl<'a> Controller<'a> {
             )
             .await??;
         // Its own top-level span: with staleness, the load goes on into later steps.
-        let loading =
-            tracing::info_span!(parent: None, "weights.load", step, version = published.version);
+        let version = published.announced.version;
+        let loading = tracing::info_span!(parent: None, "weights.load", step, version);
         pipeline.load(roles.generator.load_weights(published).instrument(loading));
         if self.max_staleness() == 0 {
             pipeline.finish_loading().await?;
@@ -239,17 +239,16 @@ impl<'a> Controller<'a> {
             .publish_weights(self.config.cluster.weight_bucket_bytes)
             .instrument(tracing::info_span!(parent: &span, "weights.publish"))
             .await?;
+        let version = published.announced.version;
         let served = roles
             .generator
-            .load_weights(published.clone())
-            .instrument(
-                tracing::info_span!(parent: &span, "weights.load", version = published.version),
-            )
+            .load_weights(published)
+            .instrument(tracing::info_span!(parent: &span, "weights.load", version))
             .await?;
+        let checksum = served.first().map_or("", |report| report.checksum.as_str());
         tracing::info!(
-            "generators serve weight version {} (checksum {}, {} workers)",
-            published.version,
-            &published.checksum[..published.checksum.len().min(16)],
+            "generators serve weight version {version} (checksum {}, {} workers)",
+            checksum.get(..16).unwrap_or(checksum),
             served.len()
         );
         Ok(())

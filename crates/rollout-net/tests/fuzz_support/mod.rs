@@ -472,7 +472,12 @@ fn weight_seeds() -> Vec<Seed> {
             none.clone(),
         ),
         (K::WeightsReport, report.clone(), none.clone()),
-        (K::SyncWeights, json!({"weights": report}), none.clone()),
+        (
+            K::SyncWeights,
+            json!({"weights": report.clone()}),
+            none.clone(),
+        ),
+        (K::SealWeights, json!({"weights": report}), none.clone()),
         (K::PullWeights, json!({"version": 3}), none),
         (K::WeightsBucket, bucket, payload),
     ]
@@ -732,6 +737,7 @@ pub fn decode_frame(frame: &Frame) -> usize {
         K::PublishWeights => parse::<PublishWeights>(frame, none),
         K::WeightsReport => parse::<WeightsReport>(frame, none),
         K::SyncWeights => parse::<SyncWeights>(frame, none),
+        K::SealWeights => parse::<SealWeights>(frame, none),
         K::PullWeights => parse::<PullWeights>(frame, none),
         K::WeightsBucket => parse::<WeightsBucket>(frame, |bucket, payload| {
             usize::from(bucket.tensors.tensor_bytes(payload).is_ok())

@@ -7,7 +7,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use rollout_core::cluster::buckets::ExportedVersion;
 use rollout_core::cluster::weights::VersionBuffer;
 use rollout_core::config::{ClusterConfig, KeyPath, LoadedConfig, PluginConfig, TrainConfig};
-use rollout_core::roles::{Generator, Learner, RoleError, RoleFuture, SaveWritten, Tokenizer};
+use rollout_core::roles::{
+    Generator, Learner, Publication, RoleError, RoleFuture, SaveWritten, Tokenizer,
+};
 use rollout_core::train::write_files;
 use rollout_net::messages::{
     GenerateRequest, GenerateResponse, TrainRequest, TrainResponse, ValuesRequest, ValuesResponse,
@@ -118,12 +120,12 @@ impl PolicyHost {
             .await??)
     }
 
-    /// The current weights as a version cut into buckets of about `bucket_bytes`, reported
-    /// once its checksum is known. To serve it, pass `serving`: an earlier version's bucket
-    /// allocations (see
-    /// [`rollout_core::cluster::weights::VersionBuffer::into_allocations`]) to fill its buckets into; the
-    /// returned buffer may still be filling, and the next job on the interpreter (a training
-    /// step) runs only once it is whole, so the weights it copies do not change meanwhile.
+    /// The current weights as a version cut into buckets of about `bucket_bytes`. To serve
+    /// it, pass `serving`: an earlier version's bucket allocations (see
+    /// [`rollout_core::cluster::weights::VersionBuffer::into_allocations`]) to fill its
+    /// buckets into; it is then reported before its checksum is known, with a buffer still
+    /// filling that seals once whole, and the next job on the interpreter (a training step)
+    /// runs only once it is whole, so the weights it copies do not change meanwhile.
     pub async fn export_weights(
         &self,
         bucket_bytes: u64,
@@ -238,8 +240,8 @@ impl Generator for PolicyHost {
     }
 
     /// In one process generation and training share the model: nothing to load.
-    fn load_weights(&self, weights: WeightsReport) -> RoleFuture<'_, Vec<WeightsReport>> {
-        boxed(async move { Ok(vec![weights]) })
+    fn load_weights(&self, weights: Publication) -> RoleFuture<'_, Vec<WeightsReport>> {
+        boxed(async move { Ok(vec![weights.sealed.await?]) })
     }
 }
 
@@ -314,16 +316,21 @@ impl Learner for PolicyHost {
 
     /// Reports the version and checksum of the weights this process holds; nothing is
     /// copied for an in-process generator.
-    fn publish_weights(&self, bucket_bytes: u64) -> RoleFuture<'_, WeightsReport> {
+    fn publish_weights(&self, bucket_bytes: u64) -> RoleFuture<'_, Publication> {
         traced(|| tracing::info_span!("policy.publish"), async move {
             let exported = self.export_weights(bucket_bytes, None).await?;
-            Ok(WeightsReport {
+            let checksum = exported.checksum.ok_or_else(|| {
+                RoleError::Protocol(
+                    "a version exported to no puller came without its checksum".into(),
+                )
+            })?;
+            Ok(Publication::sealed(WeightsReport {
                 version: exported.version,
-                checksum: exported.checksum,
+                checksum,
                 bytes: exported.bytes,
                 source: String::new(),
                 holder: "local".into(),
-            })
+            }))
         })
     }
 

@@ -153,15 +153,16 @@ impl PolicyPlugin {
     }
 
     /// Exports the weights as `version`, in buckets of about `bucket_bytes`, and `report`s
-    /// it as soon as its checksum is known. Serving it (`serving` holds an earlier version's
-    /// bucket allocations), the reported version comes with the buffer its buckets are then
-    /// filled into, bucket by bucket, so pullers start while the rest is copied; the job ends
-    /// once every bucket is in.
+    /// it. Serving it (`serving` holds an earlier version's bucket allocations), the version
+    /// is reported at once, unsealed, with the buffer its buckets are then filled into and
+    /// checksummed, bucket by bucket, so pullers start while the rest is copied; the job
+    /// ends once every bucket is in, which seals the buffer. Otherwise it is reported with
+    /// its checksum.
     ///
-    /// A mapping from `weight_views` (or `export_weights`) is read in place twice: once to
-    /// checksum every bucket, once to copy the buckets of a served version. Pairs handed over
-    /// one at a time (a sharded policy gathers each as it is asked for) are copied into
-    /// buckets as they come, and the version is reported once all are in.
+    /// A mapping from `weight_views` (or `export_weights`) is read in place, once: to copy
+    /// (and checksum) the buckets of a served version, else to checksum them. Pairs handed
+    /// over one at a time (a sharded policy gathers each as it is asked for) are copied into
+    /// buckets as they come, and the version is reported, sealed, once all are in.
     pub fn export_version(
         &self,
         py: Python<'_>,
@@ -198,19 +199,20 @@ impl PolicyPlugin {
             Ok(planned) => planned,
             Err(err) => return report(Err(self.plugin.bad_return(hook, err.to_string()))),
         };
-        let exported = ExportedVersion {
-            version,
-            checksum: planned.checksum(),
-            bytes: planned.bytes(),
-            buffer: None,
-        };
         let Some(allocations) = serving else {
-            return report(Ok(exported));
+            return report(Ok(ExportedVersion {
+                version,
+                checksum: Some(planned.checksum()),
+                bytes: planned.bytes(),
+                buffer: None,
+            }));
         };
         let buffer = Arc::new(planned.buffer());
         report(Ok(ExportedVersion {
+            version,
+            checksum: None,
+            bytes: planned.bytes(),
             buffer: Some(buffer.clone()),
-            ..exported
         }));
         tracing::info_span!("weights.fill", version)
             .in_scope(|| planned.fill(&buffer, allocations));
@@ -239,7 +241,7 @@ impl PolicyPlugin {
         let buffer = builder.finish();
         Ok(ExportedVersion {
             version,
-            checksum: buffer.checksum(),
+            checksum: Some(buffer.checksum()),
             bytes: buffer.bytes(),
             buffer: serves.then(|| Arc::new(buffer)),
         })

@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use rollout_core::roles::{Learner, RoleError, RoleFuture, SaveWritten};
+use rollout_core::roles::{Learner, Publication, RoleError, RoleFuture, SaveWritten};
 use rollout_net::messages::{
     TrainRequest, TrainResponse, ValuesRequest, ValuesResponse, WeightsReport,
 };
@@ -207,16 +207,16 @@ impl Learner for FakeLearner {
         Box::pin(async { Ok(()) })
     }
 
-    fn publish_weights(&self, bucket_bytes: u64) -> RoleFuture<'_, WeightsReport> {
+    fn publish_weights(&self, bucket_bytes: u64) -> RoleFuture<'_, Publication> {
         let version = self.version.load(Ordering::SeqCst);
         Box::pin(async move {
-            Ok(WeightsReport {
+            Ok(Publication::sealed(WeightsReport {
                 version,
                 checksum: format!("fake-{version}"),
                 bytes: bucket_bytes.min(8),
                 source: String::new(),
                 holder: "fake".into(),
-            })
+            }))
         })
     }
 

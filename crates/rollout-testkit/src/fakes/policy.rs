@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use rollout_core::roles::{Generator, RoleFuture, Tokenizer};
+use rollout_core::roles::{Generator, Publication, RoleFuture, Tokenizer};
 use rollout_net::messages::{
     Completion, FinishReason, GenerateRequest, GenerateResponse, WeightsReport,
 };
@@ -134,10 +134,10 @@ impl Generator for FakePolicy {
         })
     }
 
-    fn load_weights(&self, weights: WeightsReport) -> RoleFuture<'_, Vec<WeightsReport>> {
+    fn load_weights(&self, weights: Publication) -> RoleFuture<'_, Vec<WeightsReport>> {
         if let Weights::Held(version) = &self.weights {
-            version.store(weights.version, Ordering::SeqCst);
+            version.store(weights.announced.version, Ordering::SeqCst);
         }
-        Box::pin(async move { Ok(vec![weights]) })
+        Box::pin(async move { Ok(vec![weights.sealed.await?]) })
     }
 }

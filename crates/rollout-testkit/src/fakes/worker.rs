@@ -4,13 +4,13 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use rollout_net::ClusterKey;
 use rollout_net::link::{Link, LinkLimits};
 use rollout_net::messages::{
     Completion, Done, FinishReason, GenerateRequest, GenerateResponse, GeneratorMemory, Hello,
-    MessageKind, PromptRequest, SyncWeights,
+    MessageKind, PromptRequest, SealWeights, SyncWeights,
 };
-use rollout_net::rpc::RpcClient;
+use rollout_net::rpc::{Incoming, Responder, RpcClient};
+use rollout_net::{ClusterKey, NetError};
 use tokio::net::TcpListener;
 
 /// How a fake worker behaves once a generation request arrives.
@@ -99,8 +99,8 @@ pub fn seed_answers() -> Answer {
 }
 
 /// Accepts one authenticated connection on `listener` (as worker `name`) and serves it as
-/// `behaviour` says until it closes. A weight sync is taken at its word (nothing is pulled):
-/// later completions carry its version. Memory released (colocated) is taken at its word too,
+/// `behaviour` says until it closes. A weight sync is taken at its word (nothing is pulled,
+/// an unsealed version is answered once sealed): later completions carry its version. Memory released (colocated) is taken at its word too,
 /// but a generation asked for before it is restored is refused. Anything else is refused.
 pub async fn serve(
     listener: TcpListener,
@@ -123,6 +123,7 @@ pub async fn serve(
     let mut held = Vec::new();
     let mut version = 0;
     let mut released = false;
+    let mut unsealed = None;
     while let Some(incoming) = server.requests.recv().await {
         if incoming.frame.kind == MessageKind::GeneratorMemory {
             let answered = match incoming.decode::<GeneratorMemory>() {
@@ -145,18 +146,14 @@ pub async fn serve(
                 .fail(incoming.call, "asked to work with its memory released");
             continue;
         }
-        if incoming.frame.kind == MessageKind::SyncWeights {
-            let answered = match incoming.decode::<SyncWeights>() {
-                Ok(SyncWeights { weights }) => {
-                    version = weights.version;
-                    server
-                        .responder
-                        .reply(incoming.call, &weights, Bytes::new(), false)
-                }
-                Err(err) => server.responder.fail(incoming.call, err.to_string()),
-            };
-            if answered.is_err() {
-                return;
+        if matches!(
+            incoming.frame.kind,
+            MessageKind::SyncWeights | MessageKind::SealWeights
+        ) {
+            match sync_weights(&server.responder, &incoming, &mut unsealed) {
+                Ok(Some(synced)) => version = synced,
+                Ok(None) => {}
+                Err(_) => return,
             }
             continue;
         }
@@ -195,6 +192,42 @@ pub async fn serve(
             }
         }
     }
+}
+
+/// Takes a weight sync at its word: a sealed one is answered at once, an unsealed one once
+/// its [`SealWeights`] arrives (held in `unsealed` until then). Returns the version now
+/// served, if it changed.
+fn sync_weights(
+    responder: &Responder,
+    incoming: &Incoming,
+    unsealed: &mut Option<u64>,
+) -> Result<Option<u64>, NetError> {
+    let weights = match incoming.frame.kind {
+        MessageKind::SyncWeights => incoming.decode::<SyncWeights>().map(|sync| sync.weights),
+        _ => incoming.decode::<SealWeights>().map(|seal| seal.weights),
+    };
+    let weights = match weights {
+        Ok(weights) => weights,
+        Err(err) => {
+            return responder
+                .fail(incoming.call, err.to_string())
+                .map(|()| None);
+        }
+    };
+    if incoming.frame.kind == MessageKind::SealWeights {
+        responder.reply(incoming.call, &Done {}, Bytes::new(), false)?;
+        let Some(call) = unsealed.take() else {
+            return Ok(None);
+        };
+        responder.reply(call, &weights, Bytes::new(), false)?;
+        return Ok(Some(weights.version));
+    }
+    if !weights.is_sealed() {
+        *unsealed = Some(incoming.call);
+        return Ok(None);
+    }
+    responder.reply(incoming.call, &weights, Bytes::new(), false)?;
+    Ok(Some(weights.version))
 }
 
 /// Starts a fake worker on loopback that answers with [`seed_answers`], and connects to it

@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 
+use bytes::Bytes;
 use rollout_core::cluster::weights::WeightStore;
 use rollout_core::config::Sharding;
 use rollout_core::roles::{Learner, RoleError, SaveWritten};
@@ -92,10 +93,14 @@ pub async fn run_trainer(args: RoleArgs) -> Result<(), ClusterError> {
                 let request: PublishWeights = incoming
                     .decode()
                     .map_err(|err| bad_request(&incoming, err))?;
-                let published = publish(&host, &store, request, &weights_address, &args.name)
+                let target = Publisher {
+                    store: &store,
+                    address: &weights_address,
+                    name: &args.name,
+                };
+                publish(&host, target, request, responder, call)
                     .instrument(tracing::info_span!("rpc.publish_weights"))
                     .await;
-                answer(responder, call, published);
             }
             MessageKind::Shutdown => {
                 if let Some(peak) = peak_resident_bytes() {
@@ -170,31 +175,61 @@ async fn checkpoint(
     answer(responder, call, done.map(|()| Done {}));
 }
 
-/// Snapshots the weights: rank 0 serves them (pullers start while its buckets are still
-/// being filled); every rank reports the checksum so the controller can check that the
-/// ranks agree.
+/// Where a rank publishes its versions: its weight store, served at `address` (empty: it
+/// serves none), and its name.
+struct Publisher<'a> {
+    store: &'a WeightStore,
+    address: &'a str,
+    name: &'a str,
+}
+
+/// Snapshots the weights: rank 0 serves them, and announces the version as soon as its
+/// buckets can be pulled (while they are still filled and checksummed), then answers the
+/// sealed report once every bucket is in; every other rank answers its checksum, so the
+/// controller can check that the ranks agree.
 async fn publish(
     host: &PolicyHost,
-    store: &WeightStore,
+    publisher: Publisher<'_>,
     request: PublishWeights,
-    weights_address: &str,
-    name: &str,
-) -> Result<WeightsReport, RoleError> {
-    let serving = !weights_address.is_empty();
-    let allocations = serving.then(|| store.retire());
-    let exported = host
-        .export_weights(request.bucket_bytes, allocations)
-        .await?;
-    if let Some(buffer) = exported.buffer {
-        store.publish(buffer);
-    }
-    Ok(WeightsReport {
+    responder: &Responder,
+    call: u64,
+) {
+    let serving = !publisher.address.is_empty();
+    let allocations = serving.then(|| publisher.store.retire());
+    let exported = match host.export_weights(request.bucket_bytes, allocations).await {
+        Ok(exported) => exported,
+        Err(err) => return answer(responder, call, Err::<WeightsReport, _>(err)),
+    };
+    let report = WeightsReport {
         version: exported.version,
-        checksum: exported.checksum,
+        checksum: exported.checksum.unwrap_or_default(),
         bytes: exported.bytes,
-        source: weights_address.to_owned(),
-        holder: name.to_owned(),
-    })
+        source: publisher.address.to_owned(),
+        holder: publisher.name.to_owned(),
+    };
+    let Some(buffer) = exported.buffer else {
+        return answer(responder, call, Ok(report));
+    };
+    publisher.store.publish(buffer.clone());
+    if report.is_sealed() {
+        return answer(responder, call, Ok(report));
+    }
+    if responder.reply(call, &report, Bytes::new(), true).is_err() {
+        return;
+    }
+    let responder = responder.clone();
+    let sealing = async move {
+        let sealed = buffer.sealed(WEIGHT_WAIT).await.ok_or_else(|| {
+            RoleError::Runtime(format!(
+                "weight version {} was not whole within {} s",
+                report.version,
+                WEIGHT_WAIT.as_secs()
+            ))
+        });
+        let sealed = sealed.map(|checksum| WeightsReport { checksum, ..report });
+        answer(&responder, call, sealed);
+    };
+    tokio::spawn(sealing.in_current_span());
 }
 
 /// The kernel's high-water mark of this process's resident memory (`VmHWM`), in bytes.

@@ -10,18 +10,18 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use rollout_core::cluster::weights::{VersionBuffer, WeightStore};
+use rollout_core::cluster::weights::{VersionBuffer, WeightStore, seal_of};
 use rollout_core::config::LoadedConfig;
 use rollout_core::roles::{Generator, RoleError, Tokenizer};
 use rollout_net::link::Link;
 use rollout_net::messages::{
-    Done, GenerateRequest, GeneratorMemory, MessageKind, SyncWeights, TokenizerRequest,
-    TokenizerResponse, WeightsReport,
+    Done, GenerateRequest, GeneratorMemory, MessageKind, SealWeights, SyncWeights,
+    TokenizerRequest, TokenizerResponse, WeightsReport,
 };
 use rollout_net::rpc::RpcServer;
 use rollout_python::hosts::PolicyHost;
 use tokio::signal::unix::{Signal, SignalKind, signal};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tracing::{Instrument, Span};
 
 use super::ClusterError;
@@ -38,13 +38,14 @@ const RECONNECT_PAUSE: Duration = Duration::from_secs(1);
 /// starts on arrival: its time in the queue is part of it.
 enum Ordered {
     Generate(u64, GenerateRequest, Span),
-    Swap(u64, Pull, WeightsReport, Span),
+    Swap(u64, Pull, Span),
     /// Colocated: release the device memory generation holds, or take it back.
     Memory(u64, GeneratorMemory, Span),
 }
 
-/// A weight pull under way: the verified version, once all of it is in.
-type Pull = tokio::task::JoinHandle<Result<Arc<VersionBuffer>, ClusterError>>;
+/// A weight pull under way: the verified version, once all of it is in (and sealed), with
+/// its sealed report.
+type Pull = tokio::task::JoinHandle<Result<(Arc<VersionBuffer>, WeightsReport), ClusterError>>;
 
 /// Why a worker stopped serving a connection.
 enum Ended {
@@ -138,6 +139,9 @@ impl Serving<'_> {
         terminate: &mut Signal,
     ) -> Result<Ended, ClusterError> {
         let (ordered, queue) = mpsc::unbounded_channel::<Ordered>();
+        // The seals of versions announced unsealed; dropped when serving ends, which fails
+        // a pull still waiting for one.
+        let seals = watch::Sender::new(None);
         let draining = Arc::new(AtomicBool::new(false));
         let executor = tokio::spawn(execute_in_order(
             queue,
@@ -172,8 +176,15 @@ impl Serving<'_> {
                         .decode()
                         .map_err(|err| bad_request(&incoming, err))?;
                     let span = tracing::info_span!("rpc.sync_weights", version = weights.version);
-                    let pulled = self.pull(weights.clone(), &span);
-                    let _ = ordered.send(Ordered::Swap(call, pulled, weights, span));
+                    let pulled = self.pull(weights, seals.subscribe(), &span);
+                    let _ = ordered.send(Ordered::Swap(call, pulled, span));
+                }
+                MessageKind::SealWeights => {
+                    let SealWeights { weights } = incoming
+                        .decode()
+                        .map_err(|err| bad_request(&incoming, err))?;
+                    seals.send_replace(Some(weights));
+                    answer(&server.responder, call, Ok(Done {}));
                 }
                 MessageKind::GeneratorMemory => {
                     let action: GeneratorMemory = incoming
@@ -207,13 +218,20 @@ impl Serving<'_> {
             }
         };
         drop(ordered);
+        drop(seals);
         let _ = executor.await;
         server.close(Duration::from_secs(10)).await;
         Ok(ended)
     }
 
-    /// Starts pulling `report`'s weights at once, while earlier generations still run.
-    fn pull(&self, report: WeightsReport, request: &Span) -> Pull {
+    /// Starts pulling `report`'s weights at once, while earlier generations still run; an
+    /// unsealed version is then checked against its seal, when it arrives on `seals`.
+    fn pull(
+        &self,
+        report: WeightsReport,
+        mut seals: watch::Receiver<Option<WeightsReport>>,
+        request: &Span,
+    ) -> Pull {
         let span = tracing::info_span!(parent: request, "weights.pull", bytes = report.bytes);
         let (store, key) = (self.store.clone(), self.args.key.clone());
         let source_hello = hello("worker", self.args, serde_json::Value::Null);
@@ -224,7 +242,14 @@ impl Serving<'_> {
                     .instrument(tracing::info_span!("weights.connect"))
                     .await?
                     .client();
-                Ok(store.pull(&source, &report).await?)
+                let buffer = store.pull(&source, &report).await?;
+                if report.is_sealed() {
+                    return Ok((buffer, report));
+                }
+                let sealed = seal_of(&buffer, &mut seals, WEIGHT_WAIT)
+                    .instrument(tracing::info_span!("weights.seal"))
+                    .await?;
+                Ok((buffer, sealed))
             }
             .instrument(span),
         )
@@ -266,8 +291,8 @@ async fn execute_in_order(
                     .await;
                 answer(&responder, call, changed.map(|()| Done {}));
             }
-            Ordered::Swap(call, pulled, report, span) => {
-                let swapped = swap_in(&host, pulled, report, &name).instrument(span).await;
+            Ordered::Swap(call, pulled, span) => {
+                let swapped = swap_in(&host, pulled, &name).instrument(span).await;
                 answer(&responder, call, swapped);
                 if host.serves_whole_version() {
                     for (call, request, span) in std::mem::take(&mut deferred) {
@@ -322,14 +347,9 @@ async fn set_memory(
 
 /// Imports the pulled version once the pull has verified all of it, so a pull that fails
 /// midway leaves the weights as they were.
-async fn swap_in(
-    host: &PolicyHost,
-    pull: Pull,
-    report: WeightsReport,
-    name: &str,
-) -> Result<WeightsReport, RoleError> {
+async fn swap_in(host: &PolicyHost, pull: Pull, name: &str) -> Result<WeightsReport, RoleError> {
     let started = std::time::Instant::now();
-    let buffer = pull
+    let (buffer, report) = pull
         .await
         .map_err(|err| RoleError::Runtime(format!("the weight pull failed: {err}")))?
         .map_err(|err| RoleError::Protocol(err.to_string()))?;

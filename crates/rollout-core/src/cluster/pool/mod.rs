@@ -28,7 +28,7 @@ use tokio::sync::{Notify, mpsc};
 
 use super::ledger::{Ledger, LedgerCounts, LedgerError};
 use super::remote::send;
-use crate::roles::{Generator, RoleError, RoleFuture, Tokenizer};
+use crate::roles::{Generator, Publication, RoleError, RoleFuture, Tokenizer};
 use crate::telemetry::{RoleKind, WorkerHealth};
 use sync::verify;
 
@@ -111,8 +111,8 @@ struct Shared {
     closed: AtomicBool,
     /// Late workers being admitted now; `shutdown` waits for them to be turned away.
     admitting: tokio::sync::watch::Sender<usize>,
-    /// The newest weights published (what a joining worker pulls).
-    latest: Mutex<Option<WeightsReport>>,
+    /// The newest weights published (what a joining worker pulls, once sealed).
+    latest: tokio::sync::watch::Sender<Option<WeightsReport>>,
     arrived: Notify,
     ledger: Mutex<Ledger>,
     tally: Mutex<Tally>,
@@ -155,7 +155,7 @@ impl RemoteWorkers {
             members: Mutex::new(members.clone()),
             closed: AtomicBool::new(false),
             admitting: tokio::sync::watch::channel(0).0,
-            latest: Mutex::new(None),
+            latest: tokio::sync::watch::channel(None).0,
             arrived: Notify::new(),
             ledger: Mutex::new(ledger),
             tally: Mutex::new(Tally::default()),
@@ -273,12 +273,12 @@ impl Shared {
             .await
             .map_err(|_| self.timed_out(&member, limit))??;
         loop {
-            let latest = lock(&self.latest).clone();
+            let latest = self.sealed_latest(&member, limit).await?;
             if let Some(weights) = &latest {
                 match self.pull_from_any(&member, weights, limit).await {
                     Ok(()) => {}
                     // A newer version replaced this one mid-pull: pull that one instead.
-                    Err(err) if !is_loss(&err) && *lock(&self.latest) != latest => {
+                    Err(err) if !is_loss(&err) && *self.latest.borrow() != latest => {
                         tracing::debug!("{}: {err}; pulling the newer version", member.name);
                         continue;
                     }
@@ -293,7 +293,7 @@ impl Shared {
                 drop(members);
                 return turn_away(&member).await;
             }
-            if *lock(&self.latest) == latest {
+            if *self.latest.borrow() == latest {
                 members.push(member.clone());
                 break;
             }
@@ -307,6 +307,22 @@ impl Shared {
         self.arrived.notify_waiters();
         tracing::info!("{} joined the run's generation workers", member.name);
         Ok(())
+    }
+
+    /// The newest weights published, once their checksum is known (a version is announced
+    /// before it is sealed; a joining worker pulls it sealed).
+    async fn sealed_latest(
+        &self,
+        member: &Member,
+        limit: Duration,
+    ) -> Result<Option<WeightsReport>, RoleError> {
+        let mut latest = self.latest.subscribe();
+        let sealed =
+            latest.wait_for(|weights| weights.as_ref().is_none_or(WeightsReport::is_sealed));
+        match tokio::time::timeout(limit, sealed).await {
+            Ok(Ok(weights)) => Ok(weights.clone()),
+            _ => Err(self.timed_out(member, limit)),
+        }
     }
 
     /// Has a joining `member` pull `weights` from their publisher, else from each live
@@ -461,7 +477,7 @@ impl Generator for RemoteWorkers {
         Box::pin(async move { self.shared.finish(started?).await })
     }
 
-    fn load_weights(&self, weights: WeightsReport) -> RoleFuture<'_, Vec<WeightsReport>> {
+    fn load_weights(&self, weights: Publication) -> RoleFuture<'_, Vec<WeightsReport>> {
         Box::pin(self.shared.load_weights(weights))
     }
 
