@@ -52,6 +52,27 @@ async fn pool(
     RemoteWorkers::new(clients, Ledger::new(Some(journal)), settings)
 }
 
+/// Version `version` announced unsealed, and the sender of its seal.
+fn announced(version: u64) -> (Publication, tokio::sync::oneshot::Sender<WeightsReport>) {
+    let (seal, sealed) = tokio::sync::oneshot::channel::<WeightsReport>();
+    let publication = Publication {
+        announced: WeightsReport {
+            checksum: String::new(),
+            ..weights(version)
+        },
+        sealed: Box::pin(async move { Ok(sealed.await.unwrap()) }),
+    };
+    (publication, seal)
+}
+
+/// A pool without workers that admits those connecting through the returned sender.
+async fn admitting_pool(dir: &std::path::Path) -> (RemoteWorkers, tokio::sync::mpsc::Sender<Link>) {
+    let workers = pool(&[], PoolSettings::default(), &dir.join("ledger.jsonl")).await;
+    let (links, joined) = tokio::sync::mpsc::channel(1);
+    workers.admit_late_workers(joined, "config".into());
+    (workers, links)
+}
+
 fn assert_every_prompt_answered(response: &GenerateResponse, prompts: u32) {
     assert_eq!(response.groups.len(), prompts as usize);
     for (index, group) in response.groups.iter().enumerate() {
@@ -224,14 +245,7 @@ async fn groups_are_dropped_after_their_attempts_and_generation_fails_without_wo
 #[tokio::test]
 async fn a_worker_that_connects_after_the_run_is_told_it_is_over() {
     let dir = tempfile::tempdir().unwrap();
-    let workers = pool(
-        &[],
-        PoolSettings::default(),
-        &dir.path().join("ledger.jsonl"),
-    )
-    .await;
-    let (links, joined) = tokio::sync::mpsc::channel(1);
-    workers.admit_late_workers(joined, "config".into());
+    let (workers, links) = admitting_pool(dir.path()).await;
     workers.shutdown("the run finished").await;
 
     let key = ClusterKey::from_secret(ClusterKey::random_secret().as_bytes()).unwrap();
@@ -274,52 +288,40 @@ fn weights(version: u64) -> WeightsReport {
     }
 }
 
-/// A late worker whose first pull fails because the trainer moved on to a newer version
-/// meanwhile (the trainer keeps one version): it pulls the newer one and joins.
-#[tokio::test]
-async fn a_late_worker_whose_version_is_replaced_mid_pull_pulls_the_newer_one() {
-    let dir = tempfile::tempdir().unwrap();
-    let workers = pool(
-        &[],
-        PoolSettings::default(),
-        &dir.path().join("ledger.jsonl"),
-    )
-    .await;
-    workers
-        .load_weights(Publication::sealed(weights(1)))
-        .await
-        .unwrap();
-    let (links, joined) = tokio::sync::mpsc::channel(1);
-    workers.admit_late_workers(joined, "config".into());
-
+/// A worker that connects mid-run over a real link handed to the pool through `links`: it
+/// answers its welcome, each weight sync as `sync` decides (the report it then serves, or a
+/// failure), and its first generation request with [`seed_completion`]s; it returns the
+/// syncs it was sent.
+async fn late_worker<Sync, Answer>(
+    links: &tokio::sync::mpsc::Sender<Link>,
+    mut sync: Sync,
+) -> tokio::task::JoinHandle<Vec<WeightsReport>>
+where
+    Sync: FnMut(WeightsReport) -> Answer + Send + 'static,
+    Answer: std::future::Future<Output = Result<WeightsReport, String>> + Send,
+{
     let key = ClusterKey::from_secret(ClusterKey::random_secret().as_bytes()).unwrap();
     let listener = rollout_net::link::listen("127.0.0.1:0").await.unwrap();
     let address = listener.local_addr().unwrap().to_string();
     let limits = LinkLimits::default();
-    let (pulling, mut first_pull) = tokio::sync::mpsc::channel(1);
-    let (replaced, go_on) = tokio::sync::oneshot::channel::<()>();
-    let latecomer = tokio::spawn({
+    let worker = tokio::spawn({
         let (key, limits) = (key.clone(), limits.clone());
         async move {
             let link = Link::connect(&address, &key, &hello("worker", "late"), &limits)
                 .await
                 .unwrap();
             let mut server = link.server();
-            let mut go_on = Some(go_on);
-            let mut pulled = Vec::new();
+            let mut synced = Vec::new();
             while let Some(incoming) = server.requests.recv().await {
                 let (call, responder) = (incoming.call, &server.responder);
                 match incoming.frame.kind {
                     MessageKind::Welcome => responder.reply(call, &Done {}, Bytes::new(), false),
                     MessageKind::SyncWeights => {
                         let request: SyncWeights = incoming.decode().unwrap();
-                        pulled.push(request.weights.version);
-                        if let Some(go_on) = go_on.take() {
-                            pulling.send(()).await.unwrap();
-                            go_on.await.unwrap();
-                            responder.fail(call, "version 1 was replaced by 2 before it was pulled")
-                        } else {
-                            responder.reply(call, &request.weights, Bytes::new(), false)
+                        synced.push(request.weights.clone());
+                        match sync(request.weights).await {
+                            Ok(served) => responder.reply(call, &served, Bytes::new(), false),
+                            Err(failure) => responder.fail(call, failure),
                         }
                     }
                     MessageKind::GenerateRequest => {
@@ -332,13 +334,13 @@ async fn a_late_worker_whose_version_is_replaced_mid_pull_pulls_the_newer_one() 
                         responder
                             .reply(call, &response, Bytes::new(), false)
                             .unwrap();
-                        return pulled;
+                        return synced;
                     }
                     other => panic!("unexpected {other:?}"),
                 }
                 .unwrap();
             }
-            pulled
+            synced
         }
     });
     let (stream, _) = listener.accept().await.unwrap();
@@ -346,6 +348,36 @@ async fn a_late_worker_whose_version_is_replaced_mid_pull_pulls_the_newer_one() 
         .await
         .unwrap();
     links.send(link).await.unwrap();
+    worker
+}
+
+/// A late worker whose first pull fails because the trainer moved on to a newer version
+/// meanwhile (the trainer keeps one version): it pulls the newer one and joins.
+#[tokio::test]
+async fn a_late_worker_whose_version_is_replaced_mid_pull_pulls_the_newer_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let (workers, links) = admitting_pool(dir.path()).await;
+    workers
+        .load_weights(Publication::sealed(weights(1)))
+        .await
+        .unwrap();
+
+    let (pulling, mut first_pull) = tokio::sync::mpsc::channel(1);
+    let (replaced, go_on) = tokio::sync::oneshot::channel::<()>();
+    let mut go_on = Some(go_on);
+    let latecomer = late_worker(&links, move |weights| {
+        let first = go_on.take();
+        let pulling = pulling.clone();
+        async move {
+            let Some(go_on) = first else {
+                return Ok(weights);
+            };
+            pulling.send(()).await.unwrap();
+            go_on.await.unwrap();
+            Err("version 1 was replaced by 2 before it was pulled".to_owned())
+        }
+    })
+    .await;
     first_pull.recv().await.unwrap();
     workers
         .load_weights(Publication::sealed(weights(2)))
@@ -358,7 +390,7 @@ async fn a_late_worker_whose_version_is_replaced_mid_pull_pulls_the_newer_one() 
         .unwrap()
         .unwrap();
     assert_every_prompt_answered(&response, 2);
-    let pulled = latecomer.await.unwrap();
+    let pulled: Vec<u64> = latecomer.await.unwrap().iter().map(|w| w.version).collect();
     assert_eq!(
         pulled,
         vec![1, 2],
@@ -374,14 +406,7 @@ async fn an_unsealed_version_is_served_once_every_worker_has_its_seal() {
     let journal = dir.path().join("ledger.jsonl");
     let behaviours = [Behaviour::Healthy, Behaviour::Healthy];
     let workers = pool(&behaviours, PoolSettings::default(), &journal).await;
-    let (seal, sealed) = tokio::sync::oneshot::channel::<WeightsReport>();
-    let publication = Publication {
-        announced: WeightsReport {
-            checksum: String::new(),
-            ..weights(1)
-        },
-        sealed: Box::pin(async move { Ok(sealed.await.unwrap()) }),
-    };
+    let (publication, seal) = announced(1);
     let mut loading = workers.load_weights(publication);
     let early = tokio::time::timeout(Duration::from_millis(100), &mut loading).await;
     assert!(early.is_err(), "served before the seal: {early:?}");
@@ -418,69 +443,11 @@ async fn an_unsealed_version_is_served_once_every_worker_has_its_seal() {
 #[tokio::test]
 async fn a_worker_joining_before_the_seal_pulls_the_sealed_version() {
     let dir = tempfile::tempdir().unwrap();
-    let workers = pool(
-        &[],
-        PoolSettings::default(),
-        &dir.path().join("ledger.jsonl"),
-    )
-    .await;
-    let (links, joined) = tokio::sync::mpsc::channel(1);
-    workers.admit_late_workers(joined, "config".into());
-    let (seal, sealed) = tokio::sync::oneshot::channel::<WeightsReport>();
-    let publication = Publication {
-        announced: WeightsReport {
-            checksum: String::new(),
-            ..weights(1)
-        },
-        sealed: Box::pin(async move { Ok(sealed.await.unwrap()) }),
-    };
+    let (workers, links) = admitting_pool(dir.path()).await;
+    let (publication, seal) = announced(1);
     let _loading_not_awaited = workers.load_weights(publication);
 
-    let key = ClusterKey::from_secret(ClusterKey::random_secret().as_bytes()).unwrap();
-    let listener = rollout_net::link::listen("127.0.0.1:0").await.unwrap();
-    let address = listener.local_addr().unwrap().to_string();
-    let limits = LinkLimits::default();
-    let latecomer = tokio::spawn({
-        let (key, limits) = (key.clone(), limits.clone());
-        async move {
-            let link = Link::connect(&address, &key, &hello("worker", "late"), &limits)
-                .await
-                .unwrap();
-            let mut server = link.server();
-            let mut synced = Vec::new();
-            while let Some(incoming) = server.requests.recv().await {
-                let (call, responder) = (incoming.call, &server.responder);
-                match incoming.frame.kind {
-                    MessageKind::Welcome => responder.reply(call, &Done {}, Bytes::new(), false),
-                    MessageKind::SyncWeights => {
-                        let request: SyncWeights = incoming.decode().unwrap();
-                        synced.push(request.weights.clone());
-                        responder.reply(call, &request.weights, Bytes::new(), false)
-                    }
-                    MessageKind::GenerateRequest => {
-                        let request: GenerateRequest = incoming.decode().unwrap();
-                        let groups = request.prompts.iter().map(|p| vec![seed_completion(p); 2]);
-                        let response = GenerateResponse {
-                            groups: groups.collect(),
-                            metrics: Default::default(),
-                        };
-                        responder
-                            .reply(call, &response, Bytes::new(), false)
-                            .unwrap();
-                        return synced;
-                    }
-                    other => panic!("unexpected {other:?}"),
-                }
-                .unwrap();
-            }
-            synced
-        }
-    });
-    let (stream, _) = listener.accept().await.unwrap();
-    let link = Link::accept(stream, &key, &hello("controller", "controller"), &limits)
-        .await
-        .unwrap();
-    links.send(link).await.unwrap();
+    let latecomer = late_worker(&links, |weights| async move { Ok(weights) }).await;
     tokio::time::sleep(Duration::from_millis(100)).await;
     seal.send(weights(1)).unwrap();
 
