@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, Weak};
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt};
-use xxhash_rust::xxh3::Xxh3;
+use twox_hash::XxHash3_128;
 
 /// Payloads of at least this many bytes are received through a [`BufferPool`].
 pub const POOLED_PAYLOAD_BYTES: usize = 64 << 10;
@@ -120,7 +120,7 @@ impl Drop for Recycled {
 pub(crate) struct ArrivingPayload {
     buf: Vec<u8>,
     len: usize,
-    hasher: Xxh3,
+    hasher: XxHash3_128,
     pool: BufferPool,
 }
 
@@ -140,7 +140,7 @@ impl ArrivingPayload {
         Self {
             buf: pool.take(len).unwrap_or_default(),
             len,
-            hasher: Xxh3::new(),
+            hasher: XxHash3_128::new(),
             pool: pool.clone(),
         }
     }
@@ -153,7 +153,7 @@ impl ArrivingPayload {
         }
         let arrived = &src[..count];
         self.make_room(count);
-        self.hasher.update(arrived);
+        self.hasher.write(arrived);
         self.buf.extend_from_slice(arrived);
         src.advance(count);
     }
@@ -174,7 +174,7 @@ impl ArrivingPayload {
         self.make_room(count);
         let before = self.buf.len();
         let read = io.read_buf(&mut (&mut self.buf).limit(count)).await?;
-        self.hasher.update(&self.buf[before..]);
+        self.hasher.write(&self.buf[before..]);
         Ok(read)
     }
 
@@ -205,7 +205,7 @@ impl ArrivingPayload {
     /// The whole payload and its XXH3-128 digest; its buffer goes back to the pool once
     /// every handle on it is dropped.
     pub(crate) fn finish(self) -> (Bytes, u128) {
-        let digest = self.hasher.digest128();
+        let digest = self.hasher.finish_128();
         let owner = Recycled {
             buf: self.buf,
             pool: Arc::downgrade(&self.pool.inner),
@@ -244,7 +244,7 @@ mod tests {
         for chunk in [1 << 10, 4096, 65_537, data.len()] {
             let (payload, digest) = receive(&pool, &data, chunk);
             assert_eq!(&payload[..], &data[..]);
-            assert_eq!(digest, xxhash_rust::xxh3::xxh3_128(&data));
+            assert_eq!(digest, XxHash3_128::oneshot(&data));
         }
     }
 

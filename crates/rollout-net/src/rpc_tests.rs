@@ -86,7 +86,7 @@ async fn a_large_payload_begun_in_the_read_ahead_arrives_whole() {
     assert_eq!(received, frame);
     assert_eq!(
         received.payload_xxh3,
-        Some(xxhash_rust::xxh3::xxh3_128(&payload))
+        Some(twox_hash::XxHash3_128::oneshot(&payload))
     );
 }
 

@@ -284,7 +284,7 @@ impl TensorTable {
 /// enough (tens of GB/s) to verify every byte at the receiver without slowing the transfer;
 /// who may send is settled by the connection's authentication.
 pub fn checksum(payload: &[u8]) -> String {
-    format!("{:032x}", xxhash_rust::xxh3::xxh3_128(payload))
+    format!("{:032x}", twox_hash::XxHash3_128::oneshot(payload))
 }
 
 /// Lays named tensors out one after another in a single payload, each starting at a multiple

@@ -358,18 +358,18 @@ impl<'a> PlannedVersion<'a> {
 /// [`checksum`], each stretch hashed right after it is copied.
 fn copy_and_checksum(payload: &mut Vec<u8>, runs: &[(usize, &[u8])]) -> String {
     const STRETCH: usize = 1 << 20;
-    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    let mut hasher = twox_hash::XxHash3_128::new();
     for &(offset, bytes) in runs {
         let gap = payload.len();
         payload.resize(offset, 0);
-        hasher.update(&payload[gap..]);
+        hasher.write(&payload[gap..]);
         for stretch in bytes.chunks(STRETCH) {
             let start = payload.len();
             payload.extend_from_slice(stretch);
-            hasher.update(&payload[start..]);
+            hasher.write(&payload[start..]);
         }
     }
-    format!("{:032x}", hasher.digest128())
+    format!("{:032x}", hasher.finish_128())
 }
 
 /// Checksums every bucket in place, the buckets shared out over the machine's cores.
@@ -409,19 +409,19 @@ fn checksum_buckets(contents: &[Vec<(usize, &[u8])>]) -> Vec<String> {
 /// The checksum of the payload `runs` lay out ([`checksum`] of it), without building it.
 fn streamed_checksum(runs: &[(usize, &[u8])]) -> String {
     const GAP: [u8; TENSOR_ALIGN] = [0; TENSOR_ALIGN];
-    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    let mut hasher = twox_hash::XxHash3_128::new();
     let mut end = 0;
     for &(offset, bytes) in runs {
         let mut gap = offset - end;
         while gap > 0 {
             let zeros = gap.min(GAP.len());
-            hasher.update(&GAP[..zeros]);
+            hasher.write(&GAP[..zeros]);
             gap -= zeros;
         }
-        hasher.update(bytes);
+        hasher.write(bytes);
         end = offset + bytes.len();
     }
-    format!("{:032x}", hasher.digest128())
+    format!("{:032x}", hasher.finish_128())
 }
 
 #[cfg(test)]

@@ -22,27 +22,27 @@ use tokio::sync::watch;
 
 /// Folds bucket checksums, in order, into a version checksum.
 #[derive(Default)]
-pub(super) struct VersionHasher(xxhash_rust::xxh3::Xxh3);
+pub(super) struct VersionHasher(twox_hash::XxHash3_128);
 
 impl VersionHasher {
     pub(super) fn add(&mut self, bucket: &WeightsBucket) {
-        self.0.update(&bucket.index.to_le_bytes());
-        self.0.update(bucket.checksum.as_bytes());
+        self.0.write(&bucket.index.to_le_bytes());
+        self.0.write(bucket.checksum.as_bytes());
         // The table too: the same bytes under other names or shapes are other weights.
         for meta in &bucket.tensors.tensors {
-            self.0.update(&(meta.name.len() as u64).to_le_bytes());
-            self.0.update(meta.name.as_bytes());
-            self.0.update(meta.dtype.safetensors_name().as_bytes());
+            self.0.write(&(meta.name.len() as u64).to_le_bytes());
+            self.0.write(meta.name.as_bytes());
+            self.0.write(meta.dtype.safetensors_name().as_bytes());
             for dim in &meta.shape {
-                self.0.update(&dim.to_le_bytes());
+                self.0.write(&dim.to_le_bytes());
             }
-            self.0.update(&meta.offset.to_le_bytes());
-            self.0.update(&meta.len.to_le_bytes());
+            self.0.write(&meta.offset.to_le_bytes());
+            self.0.write(&meta.len.to_le_bytes());
         }
     }
 
     pub(super) fn finish(self) -> String {
-        format!("{:032x}", self.0.digest128())
+        format!("{:032x}", self.0.finish_128())
     }
 }
 
