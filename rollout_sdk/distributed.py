@@ -17,6 +17,7 @@ register them on.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -192,9 +193,27 @@ class GradientReducer:
             return flat.numel() * wire.itemsize
         state = self._powersgd
         compressed_before = state.total_numel_after_compression
-        powerSGD_hook.powerSGD_hook(state, bucket).wait()  # type: ignore[arg-type]
+        _run_powersgd_until_released(state, bucket)
         numel = state.total_numel_after_compression - compressed_before or flat.numel()
         return numel * flat.element_size()
+
+
+def _run_powersgd_until_released(
+    state: powerSGD_hook.PowerSGDState, bucket: FlatGradBucket, timeout_seconds: float = 10.0
+) -> None:
+    """Runs torch's PowerSGD hook and waits until its callbacks have been freed.
+
+    The hook chains its steps with ``Future.then``; gloo runs them on its own threads, which
+    free the closures (holding ``state`` and the process group) only after the last future is
+    marked done. If the interpreter exits or the group is destroyed before that, gloo's thread
+    either drops the group's last reference and joins itself, or takes the GIL during
+    finalization; both abort the process.
+    """
+    references = sys.getrefcount(state)
+    powerSGD_hook.powerSGD_hook(state, bucket).wait()  # type: ignore[arg-type]
+    deadline = time.monotonic() + timeout_seconds
+    while sys.getrefcount(state) > references and time.monotonic() < deadline:
+        time.sleep(0.0005)
 
 
 class FullyShardedGroup:
