@@ -28,6 +28,7 @@ from rollout_sdk.policy import Policy
 from rollout_sdk.reward import Reward
 from rollout_sdk.snapshot import HostTensor, Snapshot, TensorFile, write_snapshot
 from rollout_sdk.types import (
+    Generation,
     GenerationRequest,
     GrpoObjective,
     PpoObjective,
@@ -153,6 +154,17 @@ def check_policy(
     encoded = policy.encode(prompts)
     _require(len(encoded) == len(prompts), "encode returned the wrong number of sequences")
     requests = [GenerationRequest(prompt_ids=np.asarray(ids, dtype=np.int64), n=2) for ids in encoded]
+    groups = _check_generation(policy, requests, max_new_tokens)
+    completions = [(req, gen) for req, group in zip(requests, groups, strict=True) for gen in group]
+    batch, teacher = _check_teacher_forcing(policy, completions, atol)
+    before, after = _check_update(policy, completions, batch, teacher)
+    _check_persistence(policy, before, after)
+
+
+def _check_generation(
+    policy: Policy, requests: list[GenerationRequest], max_new_tokens: int
+) -> list[list[Generation]]:
+    """Two seeded completions per prompt, well-formed, and the same when asked again."""
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=1.0, seed=1234)
     groups = policy.generate(requests, params)
     _require(len(groups) == len(requests), "generate returned the wrong number of groups")
@@ -171,35 +183,40 @@ def check_policy(
         for a, b in zip(ga, gb, strict=True)
     )
     _require(same, "generate is not reproducible for the same seed")
+    return groups
 
-    sequences = [
-        np.concatenate([req.prompt_ids, gen.token_ids])
-        for req, group in zip(requests, groups, strict=True)
-        for gen in group
-    ]
+
+def _check_teacher_forcing(
+    policy: Policy, completions: list[tuple[GenerationRequest, Generation]], atol: float
+) -> tuple[tuple[np.ndarray, np.ndarray], np.ndarray]:
+    """The logprobs of each prompt + completion, teacher-forced, match the sampled ones."""
+    sequences = [np.concatenate([req.prompt_ids, gen.token_ids]) for req, gen in completions]
     batch = _pad_batch(sequences)
     teacher = policy.logprobs(TokenBatch(input_ids=batch[0], attention_mask=batch[1]))
     _require(teacher.shape == batch[0].shape, "logprobs returned the wrong shape")
-    row = 0
-    for req, group in zip(requests, groups, strict=True):
-        for gen in group:
-            start = len(req.prompt_ids)
-            got = teacher[row, start : start + len(gen.token_ids)]
-            _require(
-                np.allclose(got, gen.logprobs, atol=atol),
-                "generation logprobs differ from teacher-forced ones by "
-                f"{np.abs(got - gen.logprobs).max():.2e}",
-            )
-            row += 1
+    for row, (req, gen) in enumerate(completions):
+        start = len(req.prompt_ids)
+        got = teacher[row, start : start + len(gen.token_ids)]
+        _require(
+            np.allclose(got, gen.logprobs, atol=atol),
+            f"generation logprobs differ from teacher-forced ones by {np.abs(got - gen.logprobs).max():.2e}",
+        )
+    return batch, teacher
 
+
+def _check_update(
+    policy: Policy,
+    completions: list[tuple[GenerationRequest, Generation]],
+    batch: tuple[np.ndarray, np.ndarray],
+    teacher: np.ndarray,
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """One GRPO micro-batch and update: a finite loss and changed weights. Returns the
+    weights before and after."""
     before = policy.export_weights()
     loss_mask = np.zeros_like(batch[0], dtype=np.float32)
-    row = 0
-    for req, group in zip(requests, groups, strict=True):
-        for gen in group:
-            loss_mask[row, len(req.prompt_ids) : len(req.prompt_ids) + len(gen.token_ids)] = 1.0
-            row += 1
-    advantages = np.where(np.arange(len(sequences))[:, None] % 2 == 0, 1.0, -1.0) * loss_mask
+    for row, (req, gen) in enumerate(completions):
+        loss_mask[row, len(req.prompt_ids) : len(req.prompt_ids) + len(gen.token_ids)] = 1.0
+    advantages = np.where(np.arange(len(completions))[:, None] % 2 == 0, 1.0, -1.0) * loss_mask
     train = TrainBatch(
         input_ids=batch[0],
         attention_mask=batch[1],
@@ -216,14 +233,18 @@ def check_policy(
     _require(set(before) == set(after), "export_weights names changed after an update")
     _require(any(not np.array_equal(before[k], after[k]) for k in before), "apply_update changed no weight")
     _check_values(policy, train, after)
+    return before, after
 
+
+def _check_persistence(policy: Policy, before: dict[str, np.ndarray], after: dict[str, np.ndarray]) -> None:
+    """Weights come back through `import_weights` (streamed, as a sync hands them over),
+    `save` + `load`, and a snapshot where the policy takes them."""
     try:
         snapshot = _copied(policy.snapshot())
     except NotImplementedError:
         snapshot = None
     with tempfile.TemporaryDirectory() as directory:
         policy.save(directory)
-        # As a weight sync hands them over: one tensor at a time, as the mapping is read.
         policy.import_weights(StreamedWeights(iter(before.items())))
         restored = policy.export_weights()
         _require(

@@ -1,7 +1,12 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use std::time::Duration;
+
+use bytes::Bytes;
+
 use super::*;
-use crate::messages::Done;
+use crate::link::LinkLimits;
+use crate::messages::{Done, Hello, MessageKind};
 use tokio_util::codec::Encoder;
 
 /// A request that arrived together with the peer's greeting is served at once, not when

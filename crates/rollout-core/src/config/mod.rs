@@ -1,6 +1,8 @@
 //! The TOML run configuration.
 
 mod agents;
+mod algorithm;
+mod cluster;
 mod devices;
 mod load;
 mod loaded;
@@ -10,6 +12,8 @@ mod train;
 mod validate;
 
 pub use agents::{AgentConfig, AgentSpec};
+pub use algorithm::{AdvantageEstimator, Algorithm, AlgorithmConfig};
+pub use cluster::{ClusterConfig, GradientCompression};
 pub use devices::{
     DeviceAssignment, DeviceEntry, DeviceSpec, DevicesConfig, Misplaced, ProcessDevices,
     VisibleDevices, assign, assign_devices,

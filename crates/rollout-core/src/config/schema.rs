@@ -1,11 +1,14 @@
-//! The run configuration: every option, its default and its meaning (`docs/config.md` mirrors
-//! this file). Unknown keys are rejected everywhere except inside plugin `options` tables,
-//! which the plugin's own `Config` dataclass checks.
+//! The run configuration: every option, its default and its meaning. `docs/config.md`
+//! mirrors this file and the sections kept in files of their own (`algorithm.rs`,
+//! `cluster.rs`, `train.rs`). Unknown keys are rejected everywhere except inside plugin
+//! `options` tables, which the plugin's own `Config` dataclass checks.
 
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+use super::algorithm::AlgorithmConfig;
+use super::cluster::ClusterConfig;
 use super::train::TrainConfig;
 
 /// A whole run.
@@ -263,143 +266,6 @@ impl Default for SpeculationSection {
     }
 }
 
-/// The training algorithm: its advantage estimator and objective (see docs/algorithms.md).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Algorithm {
-    #[default]
-    Grpo,
-    DrGrpo,
-    Rloo,
-    ReinforcePp,
-    Gspo,
-    /// PPO with a critic: a value head on the policy, GAE advantages per token.
-    Ppo,
-    /// Preference pairs from the data, no generation.
-    Dpo,
-    /// Supervised updates on the data's completions, no generation.
-    Sft,
-}
-
-impl Algorithm {
-    pub fn default_estimator(self) -> AdvantageEstimator {
-        match self {
-            Algorithm::DrGrpo => AdvantageEstimator::GroupMean,
-            Algorithm::Rloo => AdvantageEstimator::LeaveOneOut,
-            Algorithm::ReinforcePp => AdvantageEstimator::BatchNorm,
-            _ => AdvantageEstimator::GroupNorm,
-        }
-    }
-
-    /// Whether the run samples completions and scores them (not DPO or SFT).
-    pub fn samples(self) -> bool {
-        !matches!(self, Algorithm::Dpo | Algorithm::Sft)
-    }
-}
-
-/// How rewards become advantages.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum AdvantageEstimator {
-    /// GRPO: `(r - mean(group)) / (std(group) + eps)`.
-    GroupNorm,
-    /// Dr. GRPO: `r - mean(group)`, no division by the standard deviation.
-    GroupMean,
-    /// RLOO: `r - mean(others in the group)`.
-    LeaveOneOut,
-    /// REINFORCE++: `(r - mean(step)) / (std(step) + eps)` over the whole step's samples.
-    BatchNorm,
-}
-
-#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct AlgorithmConfig {
-    pub name: Algorithm,
-    /// The advantage estimator; the algorithm's own when unset.
-    pub advantage: Option<AdvantageEstimator>,
-    /// Added to the standard deviation for `group_norm` and `batch_norm`.
-    pub std_eps: f64,
-    /// Lower clip of the importance ratio: `1 - clip_low` (GSPO: 3e-4 when unset, else 0.2).
-    pub clip_low: Option<f32>,
-    /// Upper clip of the importance ratio: `1 + clip_high` (DAPO's clip-higher raises it;
-    /// GSPO: 4e-4 when unset, else 0.2).
-    pub clip_high: Option<f32>,
-    /// Weight of the KL penalty to the frozen reference model (0 turns it off and never
-    /// loads the reference): k3 in the loss, or k1 in the reward for `reinforce_pp`.
-    pub kl_coef: f32,
-    /// DPO's inverse temperature.
-    pub beta: f32,
-    /// DPO: the record fields holding the preferred and the dispreferred completion; SFT:
-    /// `completion_key` holds the target.
-    pub chosen_key: String,
-    pub rejected_key: String,
-    pub completion_key: String,
-    /// DAPO's dynamic sampling: groups whose rewards are all equal (no learning signal) are
-    /// replaced by groups of further prompts, in up to this many extra rounds (0: off).
-    pub dynamic_sampling_rounds: u32,
-    /// DAPO's overlong shaping: a completion longer than `max_new_tokens - overlong_buffer`
-    /// loses up to `overlong_penalty`, linearly over the buffer (0: off).
-    pub overlong_buffer: u32,
-    pub overlong_penalty: f64,
-    /// Optimizer updates over each step's samples (PPO epochs): from the second on the
-    /// importance ratio (and PPO's value) clipping bites.
-    pub epochs: u32,
-    /// PPO: the discount and GAE's lambda over a completion's tokens.
-    pub gamma: f32,
-    pub lam: f32,
-    /// PPO: the value prediction moves at most this far from the one before the update.
-    pub value_clip: f32,
-    /// PPO: weight of the value loss.
-    pub value_coef: f32,
-    /// PPO: the first this many steps train only the value head.
-    pub critic_warmup_steps: u64,
-    /// PPO: advantages are shifted and scaled to mean 0, standard deviation 1 over the step.
-    pub whiten_advantages: bool,
-}
-
-impl Default for AlgorithmConfig {
-    fn default() -> Self {
-        Self {
-            name: Algorithm::Grpo,
-            advantage: None,
-            std_eps: 1e-4,
-            clip_low: None,
-            clip_high: None,
-            kl_coef: 0.0,
-            beta: 0.1,
-            chosen_key: "chosen".into(),
-            rejected_key: "rejected".into(),
-            completion_key: "answer".into(),
-            dynamic_sampling_rounds: 0,
-            overlong_buffer: 0,
-            overlong_penalty: 1.0,
-            epochs: 1,
-            gamma: 1.0,
-            lam: 0.95,
-            value_clip: 0.2,
-            value_coef: 0.5,
-            critic_warmup_steps: 0,
-            whiten_advantages: true,
-        }
-    }
-}
-
-impl AlgorithmConfig {
-    pub fn estimator(&self) -> AdvantageEstimator {
-        self.advantage
-            .unwrap_or_else(|| self.name.default_estimator())
-    }
-
-    /// The importance-ratio clip range `(low, high)`.
-    pub fn clip(&self) -> (f32, f32) {
-        let (low, high) = match self.name {
-            Algorithm::Gspo => (3e-4, 4e-4),
-            _ => (0.2, 0.2),
-        };
-        (self.clip_low.unwrap_or(low), self.clip_high.unwrap_or(high))
-    }
-}
-
 /// Supervised warm start before RL, on `prompt` -> `record[completion_key]` pairs of the data.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
@@ -434,97 +300,6 @@ impl Default for CheckpointConfig {
             every: 0,
             keep: 2,
             background: true,
-        }
-    }
-}
-
-/// A run whose roles are separate processes, on one machine or many (`rollout launch`).
-#[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct ClusterConfig {
-    /// Generation worker processes.
-    pub workers: u32,
-    /// Data-parallel trainer ranks (one torch.distributed process group).
-    pub trainers: u32,
-    /// Where the controller listens for roles. Loopback unless set otherwise; port 0 picks
-    /// a free one (fine when `rollout launch` starts every role itself).
-    pub listen: String,
-    /// A file holding the cluster secret every connection must prove (at least 16 bytes).
-    /// Without it, the `ROLLOUT_CLUSTER_SECRET` environment variable; `rollout launch` makes
-    /// a random one for the processes it starts when neither is set.
-    pub secret_file: Option<PathBuf>,
-    /// How many policy versions behind the trainer a trained sample may have been generated.
-    /// Generation for later steps overlaps training when > 0; 0 is synchronous.
-    pub max_staleness: u64,
-    /// Seconds between heartbeats on every connection.
-    pub heartbeat_seconds: f64,
-    /// A peer silent for this many seconds is lost.
-    pub peer_timeout_seconds: f64,
-    /// Seconds the controller waits for every role to connect and load (and, mid-run, for
-    /// a generation worker when none is left).
-    pub join_timeout_seconds: f64,
-    /// A generation worker holding a prompt group this long without answering is treated
-    /// as lost and the group is leased to another.
-    pub lease_timeout_seconds: f64,
-    /// Leases per prompt group before it is dropped from its step.
-    pub max_attempts: u32,
-    /// `rollout launch` starts a generation worker that died again, up to this many times
-    /// per worker.
-    pub max_worker_restarts: u32,
-    /// `rollout launch` starts the trainer ranks again from the last checkpoint when one is
-    /// lost (the generation workers keep running), up to this many times per run.
-    pub max_run_restarts: u32,
-    /// Fewest trainer ranks `rollout launch` goes on with: a lost rank is left out while
-    /// more than this many remain (the others reshard the last checkpoint), and its
-    /// replacement joins at the next checkpoint. Unset: the lost rank is started again.
-    pub min_trainers: Option<u32>,
-    /// Bytes per weight-sync bucket.
-    pub weight_bucket_bytes: u64,
-    /// torch.distributed backend of the trainers: "gloo", "nccl", or "auto" (NCCL when CUDA
-    /// is available).
-    pub backend: String,
-    /// Gradient all-reduce: "none" (float32, exact), "fp16"/"bf16" (half the bytes) or
-    /// "powersgd" (low-rank factors), all but "none" through torch's DDP hooks.
-    pub gradient_compression: GradientCompression,
-    /// Rank of PowerSGD's low-rank factors.
-    pub powersgd_rank: u32,
-    /// Updates all-reduced uncompressed before PowerSGD starts (torch's
-    /// `start_powerSGD_iter`; at least 2).
-    pub powersgd_warmup_updates: u32,
-    /// TLS 1.3 on links (self-signed identities; the cluster secret proves who is who,
-    /// bound to the TLS session). Unset: links with other machines are encrypted, loopback
-    /// links are not. `true`: every link (roles started elsewhere need `--tls`). `false`: no
-    /// link, an explicit and warned opt-out (roles started elsewhere need `--no-tls`).
-    pub tls: Option<bool>,
-    /// `[cluster.devices]`: the GPUs of each process `rollout launch` starts, and whether
-    /// workers share them with the trainers. Absent: every process inherits the launcher's
-    /// environment.
-    pub devices: Option<super::DevicesConfig>,
-}
-
-impl Default for ClusterConfig {
-    fn default() -> Self {
-        Self {
-            workers: 1,
-            trainers: 1,
-            listen: "127.0.0.1:0".into(),
-            secret_file: None,
-            max_staleness: 0,
-            heartbeat_seconds: 2.0,
-            peer_timeout_seconds: 60.0,
-            join_timeout_seconds: 300.0,
-            lease_timeout_seconds: 600.0,
-            max_attempts: 3,
-            max_worker_restarts: 100,
-            max_run_restarts: 3,
-            min_trainers: None,
-            weight_bucket_bytes: 8 << 20,
-            backend: "auto".into(),
-            gradient_compression: GradientCompression::None,
-            powersgd_rank: 4,
-            powersgd_warmup_updates: 10,
-            tls: None,
-            devices: None,
         }
     }
 }
@@ -582,26 +357,6 @@ impl Default for SandboxConfig {
             max_failed_fraction_per_step: 0.5,
             environments: true,
             pass_environment: Vec::new(),
-        }
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum GradientCompression {
-    None,
-    Fp16,
-    Bf16,
-    Powersgd,
-}
-
-impl GradientCompression {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            GradientCompression::None => "none",
-            GradientCompression::Fp16 => "fp16",
-            GradientCompression::Bf16 => "bf16",
-            GradientCompression::Powersgd => "powersgd",
         }
     }
 }

@@ -4,7 +4,9 @@
 
 use std::time::Instant;
 
-use rollout_net::messages::{KlPenalty, MicroBatch, Objective, TrainRequest, ValuesRequest};
+use rollout_net::messages::{
+    KlPenalty, MicroBatch, Objective, TrainRequest, TrainResponse, ValuesRequest,
+};
 use serde_json::Value;
 use tracing::Instrument;
 
@@ -87,35 +89,8 @@ impl<'a> Controller<'a> {
             .await?;
 
         let training = Instant::now();
-        // Colocated generation workers free the devices the trainers are about to use (PPO's
-        // value pass included) and take them back once the update is applied.
-        let generator = sampler.roles.generator;
-        generator
-            .release_memory()
-            .instrument(tracing::info_span!("generator.release_memory", step))
-            .await?;
-        let (batches, packing) = self
-            .micro_batches(sampler, step, &collected, pipeline)
-            .await?;
-        let learning_rate = self.learning_rate(self.state.weight_version);
-        let training_span = tracing::info_span!("train", step, micro_batches = batches.len());
-        let response = pipeline
-            .while_running(
-                sampler
-                    .roles
-                    .learner
-                    .train(TrainRequest {
-                        micro_batches: batches,
-                        learning_rate,
-                        epochs: self.config.algorithm.epochs,
-                    })
-                    .instrument(training_span),
-            )
-            .await??;
-        generator
-            .restore_memory()
-            .instrument(tracing::info_span!("generator.restore_memory", step))
-            .await?;
+        let (response, packing, learning_rate) =
+            self.train_on(sampler, step, &collected, pipeline).await?;
         let train_seconds = training.elapsed().as_secs_f64();
         let sync_started = Instant::now();
         self.send_weights(sampler, step, pipeline).await?;
@@ -136,6 +111,48 @@ impl<'a> Controller<'a> {
             has_environment: sampler.roles.environments.is_some(),
         };
         Ok(report.into_lines(sampler, self.config.run.log_samples))
+    }
+
+    /// Trains on `collected` (sampling of later steps goes on meanwhile), the colocated
+    /// generation workers' device memory released for the update. Returns the trainers'
+    /// answer, how the samples were packed, and the learning rate used.
+    async fn train_on(
+        &self,
+        sampler: &Sampler<'a>,
+        step: u64,
+        collected: &Collected,
+        pipeline: &mut Pipeline<'a>,
+    ) -> Result<(TrainResponse, PackingStats, f64), RunError> {
+        // Colocated generation workers free the devices the trainers are about to use (PPO's
+        // value pass included) and take them back once the update is applied.
+        let generator = sampler.roles.generator;
+        generator
+            .release_memory()
+            .instrument(tracing::info_span!("generator.release_memory", step))
+            .await?;
+        let (batches, packing) = self
+            .micro_batches(sampler, step, collected, pipeline)
+            .await?;
+        let learning_rate = self.learning_rate(self.state.weight_version);
+        let training_span = tracing::info_span!("train", step, micro_batches = batches.len());
+        let response = pipeline
+            .while_running(
+                sampler
+                    .roles
+                    .learner
+                    .train(TrainRequest {
+                        micro_batches: batches,
+                        learning_rate,
+                        epochs: self.config.algorithm.epochs,
+                    })
+                    .instrument(training_span),
+            )
+            .await??;
+        generator
+            .restore_memory()
+            .instrument(tracing::info_span!("generator.restore_memory", step))
+            .await?;
+        Ok((response, packing, learning_rate))
     }
 
     /// The step's samples as micro-batches of its objective. A sample whose reward failed
