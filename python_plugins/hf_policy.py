@@ -6,15 +6,13 @@ import dataclasses
 import functools
 import inspect
 import time
-import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, cast
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 from transformers import AutoTokenizer, PreTrainedModel
 from transformers.utils import logging as transformers_logging
@@ -39,6 +37,12 @@ from python_plugins.sharding import check_shardable, gathered_on_rank0, shard_mo
 from python_plugins.shared_prefix import plan_shared_prefixes, shared_prefix_logprobs
 from python_plugins.suffix_packing import packs_suffixes
 from python_plugins.value_head import ValueHead, logprobs_and_hidden
+from python_plugins.weight_io import (
+    float32_copies,
+    float32_views,
+    import_into_parameters,
+    load_safetensors_weights,
+)
 from rollout_sdk import (
     EngineStep,
     EngineStepOutput,
@@ -53,7 +57,6 @@ from rollout_sdk import (
 )
 from rollout_sdk.objectives import needs_reference, needs_values, objective_loss
 from rollout_sdk.snapshot import TensorFile, write_snapshot
-from rollout_sdk.weights import StreamedWeights
 
 __all__ = ["HFCausalLM"]
 
@@ -476,46 +479,17 @@ class HFCausalLM(Policy):
         """
         if self.sharding is not None:
             return gathered_on_rank0(self.trainable)
-        return {
-            name: p.detach().to("cpu", dtype=torch.float32, copy=True).numpy() for name, p in self.trainable
-        }
+        return float32_copies(self.trainable)
 
     def weight_views(self) -> dict[str, np.ndarray] | Iterator[tuple[str, np.ndarray]]:
         """``export_weights`` without its copies: a float32 weight on the CPU is lent as a
         read-only view of the parameter itself."""
         if self.sharding is not None:
             return gathered_on_rank0(self.trainable)
-        return {
-            name: _read_only(p.detach().to("cpu", dtype=torch.float32).numpy()) for name, p in self.trainable
-        }
+        return float32_views(self.trainable)
 
-    @torch.no_grad()
     def import_weights(self, weights: Mapping[str, np.ndarray]) -> None:
-        """Copies each tensor into its parameter. A weight sync's ``StreamedWeights`` is taken
-        one tensor at a time, and a float32 parameter on the CPU then becomes a view of the
-        received bytes instead of a copy of them (they never change, and nothing on a
-        generation worker writes its weights); weights at hand are checked whole first, so a
-        bad mapping changes nothing."""
-        params = dict(self.trainable)
-        streamed = isinstance(weights, StreamedWeights)
-        if not streamed:
-            for name, value in weights.items():
-                _check_import(name, value, params)
-            _check_complete(weights.keys(), params)
-        imported = set()
-        with warnings.catch_warnings():
-            # The arrays are read-only views of the received bytes; they are only read here.
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            for name, value in weights.items():
-                _check_import(name, value, params)
-                received = torch.from_numpy(np.asarray(value))
-                param = params[name]
-                if streamed and _can_alias(param, received):
-                    param.data = received
-                else:
-                    param.copy_(received)
-                imported.add(name)
-        _check_complete(imported, params)
+        import_into_parameters(dict(self.trainable), weights)
 
     def snapshot(self) -> dict[str, bytes | TensorFile]:
         return self._checkpoint_files()
@@ -559,7 +533,7 @@ class HFCausalLM(Policy):
         if self.lora is not None:
             self.lora.load(root / "model")
         else:
-            self._load_weights(root / "model")
+            load_safetensors_weights(self.model, root / "model")
         load_optimizer(root, self.optimizer, [name for name, _ in self.trainable])
         if ValueHead.saved_in(root):
             self._value_head().load(root)
@@ -582,30 +556,6 @@ class HFCausalLM(Policy):
         saves it under, so that checkpoints read like adapter directories."""
         saved_as = {id(p): name for name, p in (self.lora.saved_names.items() if self.lora else [])}
         return {name: saved_as.get(id(p), name) for name, p in self.trainable}
-
-    @torch.no_grad()
-    def _load_weights(self, model_dir: Path) -> None:
-        """Copy every tensor of ``model_dir/*.safetensors`` in; tied copies may be left out."""
-        files = sorted(model_dir.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
-        saved: dict[str, torch.Tensor] = {}
-        for file in files:
-            saved.update(load_file(str(file)))
-        current = self.model.state_dict()
-        unknown = sorted(set(saved) - set(current))
-        if unknown:
-            raise ValueError(f"{model_dir}: the model has no tensor `{unknown[0]}`")
-        loaded_storage = {current[name].data_ptr() for name in saved}
-        missing = [
-            name for name in current if name not in saved and current[name].data_ptr() not in loaded_storage
-        ]
-        if missing:
-            raise ValueError(f"{model_dir}: tensor `{missing[0]}` is missing")
-        for name, tensor in saved.items():
-            _check_shape(name, tuple(tensor.shape), tuple(current[name].shape), str(model_dir))
-        for name, tensor in saved.items():
-            current[name].copy_(tensor)
 
     def describe(self) -> Mapping[str, Any]:
         facts = {
@@ -642,36 +592,3 @@ def _default_bos_prefix(tokenizer: Any) -> list[int]:
 
 def _first_not_none(*values: int | None) -> int:
     return next(int(v) for v in values if v is not None)
-
-
-def _check_import(name: str, value: np.ndarray, params: Mapping[str, torch.nn.Parameter]) -> None:
-    if name not in params:
-        raise ValueError(f"import_weights: the model has no parameter `{name}`")
-    _check_shape(name, tuple(value.shape), tuple(params[name].shape), "import_weights")
-
-
-def _can_alias(param: torch.nn.Parameter, received: torch.Tensor) -> bool:
-    return (
-        param.device.type == "cpu"
-        and param.dtype == received.dtype
-        and received.is_contiguous()
-        and received.data_ptr() % received.element_size() == 0
-    )
-
-
-def _check_complete(names: Iterable[str], params: Mapping[str, torch.nn.Parameter]) -> None:
-    missing = sorted(set(params) - set(names))
-    if missing:
-        raise ValueError(f"import_weights: parameter `{missing[0]}` is missing")
-
-
-def _check_shape(name: str, got: tuple[int, ...], expected: tuple[int, ...], where: str) -> None:
-    if got != expected:
-        raise ValueError(
-            f"{where}: tensor `{name}` has shape {list(got)}, the model expects {list(expected)}"
-        )
-
-
-def _read_only(array: np.ndarray) -> np.ndarray:
-    array.flags.writeable = False
-    return array
