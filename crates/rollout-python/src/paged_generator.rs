@@ -9,10 +9,13 @@ use std::time::Instant;
 use rollout_core::config::{EngineSection, SpeculationMethod};
 use rollout_core::roles::RoleError;
 use rollout_core::scheduler::{
-    EngineConfig, EngineStats, Request, SampleParams, Scheduler, Speculation,
+    EngineConfig, EngineStats, Finished, Request, RequestId, SampleParams, Scheduler, Speculation,
+    StepPlan,
 };
 use rollout_core::seeds::mix;
-use rollout_net::messages::{Completion, FinishReason, GenerateRequest, GenerateResponse};
+use rollout_net::messages::{
+    Completion, FinishReason, GenerateRequest, GenerateResponse, PromptRequest, SamplingParams,
+};
 use tracing::Instrument;
 
 use crate::contract::KvLayout;
@@ -185,12 +188,42 @@ impl PagedGenerator {
         weight_version: u64,
     ) -> Result<GenerateResponse, RoleError> {
         let mut guard = self.state.lock().await;
-        let state = &mut *guard;
+        let scheduler = self
+            .prepare_scheduler(&mut guard, worker, policy, &request, weight_version)
+            .await?;
+        let before = scheduler.stats();
+        let pending = self.submit(scheduler, &request, eos_token_ids)?;
+        let mut run = EngineRun {
+            worker,
+            policy,
+            scheduler,
+            sampling: &request.sampling,
+            weight_version,
+            pending,
+            measured: CallMeasurements::default(),
+        };
+        let started = Instant::now();
+        run.step_until_idle().await?;
+        let seconds = started.elapsed().as_secs_f64();
+        let groups = run.pending.into_groups()?;
+        let metrics = call_metrics(&before, &run.scheduler.stats(), &run.measured, seconds);
+        Ok(GenerateResponse { groups, metrics })
+    }
+
+    /// The scheduler, ready for a request with the weights of `weight_version`: large enough
+    /// for `request`, holding no other request's sequences, and without prefixes cached
+    /// under other weights.
+    async fn prepare_scheduler<'s>(
+        &self,
+        state: &'s mut EngineState,
+        worker: &PythonWorker,
+        policy: &Arc<PolicyPlugin>,
+        request: &GenerateRequest,
+        weight_version: u64,
+    ) -> Result<&'s mut Scheduler, RoleError> {
         let stale = state.weight_version != Some(weight_version);
         state.weight_version = Some(weight_version);
-        let scheduler = self
-            .ensure_capacity(state, worker, policy, &request)
-            .await?;
+        let scheduler = self.ensure_capacity(state, worker, policy, request).await?;
         if !scheduler.is_idle() {
             // A request that failed or was dropped midway left its sequences behind: they
             // hold blocks and would finish as nobody's. The cache stays; its prefixes do not.
@@ -204,137 +237,221 @@ impl PagedGenerator {
         if stale {
             scheduler.clear_prefix_cache();
         }
-        let before = scheduler.stats();
+        Ok(scheduler)
+    }
+
+    /// Adds every prompt of `request` to `scheduler`, in order: the groups to fill.
+    fn submit(
+        &self,
+        scheduler: &mut Scheduler,
+        request: &GenerateRequest,
+        eos_token_ids: &[u32],
+    ) -> Result<PendingGroups, RoleError> {
         let sampling = &request.sampling;
         let mut stop_token_ids = sampling.stop_token_ids.clone();
         if !sampling.ignore_eos {
             stop_token_ids.extend_from_slice(eos_token_ids);
         }
-        let mut prompt_of = HashMap::new();
-        let mut groups: Vec<Vec<Option<Completion>>> = Vec::with_capacity(request.prompts.len());
+        let mut pending = PendingGroups::with_capacity(request.prompts.len());
         for (index, prompt) in request.prompts.iter().enumerate() {
-            let n = prompt.n as usize;
-            let budgets = if prompt.max_new_tokens.is_empty() {
-                vec![sampling.max_new_tokens; n]
-            } else {
-                prompt.max_new_tokens.clone()
-            };
-            let longest = prompt.prompt_ids.len() as u64
-                + u64::from(budgets.iter().copied().max().unwrap_or(0));
-            if longest > self.layout.max_positions {
-                return Err(RoleError::Protocol(format!(
-                    "prompt {index} has {} tokens and may generate {} more, past the model's {} positions",
-                    prompt.prompt_ids.len(),
-                    longest - prompt.prompt_ids.len() as u64,
-                    self.layout.max_positions
-                )));
-            }
+            let scheduled = self.scheduler_request(index, prompt, sampling, &stop_token_ids)?;
             let id = scheduler
-                .add(Request {
-                    prompt: prompt.prompt_ids.clone(),
-                    n,
-                    max_new_tokens: budgets,
-                    params: SampleParams {
-                        temperature: sampling.temperature,
-                        top_p: sampling.top_p,
-                        top_k: sampling.top_k,
-                    },
-                    stop_token_ids: stop_token_ids.clone(),
-                    seeds: {
-                        let group_seed = prompt
-                            .seed
-                            .unwrap_or_else(|| mix(sampling.seed, index as u64));
-                        (0..n as u64)
-                            .map(|sample| mix(group_seed, sample))
-                            .collect()
-                    },
-                })
+                .add(scheduled)
                 .map_err(|err| RoleError::Protocol(format!("prompt {index}: {err}")))?;
-            prompt_of.insert(id, index);
-            groups.push(vec![None; n]);
+            pending.add_group(id, prompt.n as usize);
         }
+        Ok(pending)
+    }
 
-        let started = Instant::now();
-        let mut measured = CallMeasurements::default();
-        let stop_tail = sampling
+    /// The scheduler's request for prompt `index`; refused when its longest sample could
+    /// outgrow the model's positions.
+    fn scheduler_request(
+        &self,
+        index: usize,
+        prompt: &PromptRequest,
+        sampling: &SamplingParams,
+        stop_token_ids: &[u32],
+    ) -> Result<Request, RoleError> {
+        let n = prompt.n as usize;
+        let budgets = if prompt.max_new_tokens.is_empty() {
+            vec![sampling.max_new_tokens; n]
+        } else {
+            prompt.max_new_tokens.clone()
+        };
+        let longest =
+            prompt.prompt_ids.len() as u64 + u64::from(budgets.iter().copied().max().unwrap_or(0));
+        if longest > self.layout.max_positions {
+            return Err(RoleError::Protocol(format!(
+                "prompt {index} has {} tokens and may generate {} more, past the model's {} positions",
+                prompt.prompt_ids.len(),
+                longest - prompt.prompt_ids.len() as u64,
+                self.layout.max_positions
+            )));
+        }
+        let group_seed = prompt
+            .seed
+            .unwrap_or_else(|| mix(sampling.seed, index as u64));
+        Ok(Request {
+            prompt: prompt.prompt_ids.clone(),
+            n,
+            max_new_tokens: budgets,
+            params: SampleParams {
+                temperature: sampling.temperature,
+                top_p: sampling.top_p,
+                top_k: sampling.top_k,
+            },
+            stop_token_ids: stop_token_ids.to_vec(),
+            seeds: (0..n as u64)
+                .map(|sample| mix(group_seed, sample))
+                .collect(),
+        })
+    }
+}
+
+/// One request's prompt groups, filled sample by sample as the engine finishes them.
+struct PendingGroups {
+    /// The group (prompt index) of each scheduler request.
+    prompt_of: HashMap<RequestId, usize>,
+    groups: Vec<Vec<Option<Completion>>>,
+}
+
+impl PendingGroups {
+    fn with_capacity(prompts: usize) -> Self {
+        PendingGroups {
+            prompt_of: HashMap::new(),
+            groups: Vec::with_capacity(prompts),
+        }
+    }
+
+    /// The next group: `samples` completions of the scheduler's `request`.
+    fn add_group(&mut self, request: RequestId, samples: usize) {
+        self.prompt_of.insert(request, self.groups.len());
+        self.groups.push(vec![None; samples]);
+    }
+
+    /// Files each finished sample as a completion of its group.
+    fn record(&mut self, finished: Vec<Finished>, weight_version: u64) -> Result<(), RoleError> {
+        for done in finished {
+            let Some(&index) = self.prompt_of.get(&done.request) else {
+                return Err(RoleError::Protocol(
+                    "the engine finished an unknown request".into(),
+                ));
+            };
+            if let Some(slot) = self.groups[index].get_mut(done.sample) {
+                *slot = Some(Completion {
+                    token_ids: done.tokens,
+                    logprobs: done.logprobs,
+                    finish_reason: done.finish_reason,
+                    weight_version,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The groups, once every sample of every group is complete.
+    fn into_groups(self) -> Result<Vec<Vec<Completion>>, RoleError> {
+        self.groups
+            .into_iter()
+            .map(|group| group.into_iter().collect::<Option<Vec<_>>>())
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| {
+                RoleError::Protocol("the engine went idle with samples unfinished".into())
+            })
+    }
+}
+
+/// One request on the engine: the scheduler's steps run on the policy's model runner until
+/// every sample is finished.
+struct EngineRun<'a> {
+    worker: &'a PythonWorker,
+    policy: &'a Arc<PolicyPlugin>,
+    scheduler: &'a mut Scheduler,
+    sampling: &'a SamplingParams,
+    /// The weights every completion is generated with.
+    weight_version: u64,
+    pending: PendingGroups,
+    measured: CallMeasurements,
+}
+
+impl EngineRun<'_> {
+    /// Steps the engine until the scheduler has nothing left to plan.
+    async fn step_until_idle(&mut self) -> Result<(), RoleError> {
+        let stop_tail = self
+            .sampling
             .stop_strings
             .iter()
             .map(|s| s.chars().count())
             .max()
             .unwrap_or(0)
             + 4;
-        while let Some(plan) = scheduler.plan() {
-            let runner = policy.clone();
-            let span = tracing::info_span!(
-                "engine.step",
-                seqs = plan.num_seqs(),
-                tokens = plan.num_tokens()
-            );
-            let (plan, result) = worker
-                .run(move |py| {
-                    let mut plan = plan;
-                    let result = runner.engine_step(py, &mut plan);
-                    (plan, result)
-                })
-                .instrument(span)
-                .await?;
-            let (outcome, forward_seconds) = result?;
-            measured.steps += 1;
-            measured.forward_seconds += forward_seconds;
-            let mut finished = scheduler.apply(&plan, &outcome).map_err(|err| {
-                RoleError::Protocol(format!("the model runner's step output: {err}"))
-            })?;
-            if !sampling.stop_strings.is_empty() {
-                let checking = Instant::now();
-                let tails = scheduler.running_tails(stop_tail);
-                if !tails.is_empty() {
-                    let decoder = policy.clone();
-                    let sequences: Vec<Vec<u32>> =
-                        tails.iter().map(|(_, tail)| tail.clone()).collect();
-                    let texts = worker
-                        .run(move |py| {
-                            let slices: Vec<&[u32]> = sequences.iter().map(Vec::as_slice).collect();
-                            decoder.decode(py, &slices)
-                        })
-                        .await??;
-                    for ((seq, _), text) in tails.iter().zip(texts) {
-                        if sampling
-                            .stop_strings
-                            .iter()
-                            .any(|stop| text.contains(stop.as_str()))
-                        {
-                            finished.extend(scheduler.finish_early(*seq, FinishReason::Stop));
-                        }
-                    }
-                }
-                measured.stop_string_seconds += checking.elapsed().as_secs_f64();
+        while let Some(plan) = self.scheduler.plan() {
+            let mut finished = self.step(plan).await?;
+            if !self.sampling.stop_strings.is_empty() {
+                finished.extend(self.finish_at_stop_strings(stop_tail).await?);
             }
-            for done in finished {
-                let Some(&index) = prompt_of.get(&done.request) else {
-                    return Err(RoleError::Protocol(
-                        "the engine finished an unknown request".into(),
-                    ));
-                };
-                if let Some(slot) = groups[index].get_mut(done.sample) {
-                    *slot = Some(Completion {
-                        token_ids: done.tokens,
-                        logprobs: done.logprobs,
-                        finish_reason: done.finish_reason,
-                        weight_version,
-                    });
+            self.pending.record(finished, self.weight_version)?;
+        }
+        Ok(())
+    }
+
+    /// Runs `plan` on the model runner and applies its output: the samples it finished.
+    async fn step(&mut self, plan: StepPlan) -> Result<Vec<Finished>, RoleError> {
+        let runner = self.policy.clone();
+        let span = tracing::info_span!(
+            "engine.step",
+            seqs = plan.num_seqs(),
+            tokens = plan.num_tokens()
+        );
+        let (plan, result) = self
+            .worker
+            .run(move |py| {
+                let mut plan = plan;
+                let result = runner.engine_step(py, &mut plan);
+                (plan, result)
+            })
+            .instrument(span)
+            .await?;
+        let (outcome, forward_seconds) = result?;
+        self.measured.steps += 1;
+        self.measured.forward_seconds += forward_seconds;
+        self.scheduler
+            .apply(&plan, &outcome)
+            .map_err(|err| RoleError::Protocol(format!("the model runner's step output: {err}")))
+    }
+
+    /// Ends the sequences whose last `stop_tail` tokens decode to a text containing a stop
+    /// string: the samples that finished.
+    async fn finish_at_stop_strings(
+        &mut self,
+        stop_tail: usize,
+    ) -> Result<Vec<Finished>, RoleError> {
+        let checking = Instant::now();
+        let mut finished = Vec::new();
+        let tails = self.scheduler.running_tails(stop_tail);
+        if !tails.is_empty() {
+            let decoder = self.policy.clone();
+            let sequences: Vec<Vec<u32>> = tails.iter().map(|(_, tail)| tail.clone()).collect();
+            let texts = self
+                .worker
+                .run(move |py| {
+                    let slices: Vec<&[u32]> = sequences.iter().map(Vec::as_slice).collect();
+                    decoder.decode(py, &slices)
+                })
+                .await??;
+            for ((seq, _), text) in tails.iter().zip(texts) {
+                if self
+                    .sampling
+                    .stop_strings
+                    .iter()
+                    .any(|stop| text.contains(stop.as_str()))
+                {
+                    finished.extend(self.scheduler.finish_early(*seq, FinishReason::Stop));
                 }
             }
         }
-        let seconds = started.elapsed().as_secs_f64();
-        let groups = groups
-            .into_iter()
-            .map(|group| group.into_iter().collect::<Option<Vec<_>>>())
-            .collect::<Option<Vec<_>>>()
-            .ok_or_else(|| {
-                RoleError::Protocol("the engine went idle with samples unfinished".into())
-            })?;
-        let metrics = call_metrics(&before, &scheduler.stats(), &measured, seconds);
-        Ok(GenerateResponse { groups, metrics })
+        self.measured.stop_string_seconds += checking.elapsed().as_secs_f64();
+        Ok(finished)
     }
 }
 

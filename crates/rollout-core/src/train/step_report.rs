@@ -34,69 +34,68 @@ impl StepReport {
         sampler: &Sampler<'_>,
         log_samples: usize,
     ) -> (StepMetrics, Vec<Value>) {
-        let StepReport {
-            step,
-            epoch,
-            records,
-            collected,
-            response,
-            packing,
-            learning_rate,
-            trained_version,
-            train_seconds,
-            weight_sync_seconds,
-            step_seconds,
-            has_environment,
-        } = self;
-        let Collected {
-            trajectories,
-            completions,
-            rewards,
-            components,
-            advantages,
-            failures,
-            zero_std_groups,
-            refilled_groups,
-            refill_rounds,
-            stale_groups_regenerated,
-            stale_groups_dropped,
-            records: _,
-            generate_seconds,
-            score_seconds,
-            generator_metrics,
-        } = collected;
-        let staleness: Vec<u64> = trajectories
+        let logged = self.logged_samples(sampler, log_samples);
+        (self.into_metrics(sampler), logged)
+    }
+
+    /// The step's `metrics.jsonl` line.
+    fn into_metrics(self, sampler: &Sampler<'_>) -> StepMetrics {
+        let mut line = step_metrics(
+            self.step,
+            self.epoch,
+            self.response.weight_version,
+            self.step_seconds,
+        );
+        let collected = &self.collected;
+        rewards_and_failures(
+            &mut line,
+            &collected.rewards,
+            &collected.components,
+            &collected.failures,
+        );
+        if self.has_environment {
+            self.environment_outcomes(&mut line);
+        }
+        self.completion_volumes(&mut line, sampler);
+        self.group_outcomes(&mut line, sampler);
+        packing_efficiency(&mut line, &self.packing);
+        self.durations(&mut line);
+        self.weight_versions(&mut line);
+        line.learning_rate = Some(self.learning_rate);
+        let mut trained = self.response.metrics;
+        line.loss = trained.remove("loss");
+        line.measured.extend(trained);
+        line.measured.extend(self.collected.generator_metrics);
+        line
+    }
+
+    /// `env_return_mean` over the episodes played to their end (a failed one's return is
+    /// partial), and the episodes whose environment failed.
+    fn environment_outcomes(&self, line: &mut StepMetrics) {
+        let returns: Vec<f64> = self
+            .collected
+            .trajectories
             .iter()
-            .filter_map(Trajectory::generated_by)
-            .map(|version| trained_version.saturating_sub(version))
+            .filter(|t| t.failure.is_none())
+            .map(|t| t.env_return)
             .collect();
+        line.env_return_mean = Some(mean(&returns));
+        environment_failures(line, &self.collected.failures);
+    }
+
+    /// How many samples and tokens the step produced, how long the completions ran, and how
+    /// fast.
+    fn completion_volumes(&self, line: &mut StepMetrics, sampler: &Sampler<'_>) {
+        let trajectories = &self.collected.trajectories;
         let generated: Vec<usize> = trajectories
             .iter()
             .map(Trajectory::generated_tokens)
             .collect();
         let generated_tokens: usize = generated.iter().sum();
         let count = trajectories.len().max(1) as f64;
-        let TrainResponse {
-            metrics: mut trained,
-            weight_version,
-        } = response;
-        let mut line = step_metrics(step, epoch, weight_version, step_seconds);
-        rewards_and_failures(&mut line, &rewards, &components, &failures);
-        if has_environment {
-            // Over the episodes played to their end (a failed one's return is partial).
-            let returns: Vec<f64> = trajectories
-                .iter()
-                .filter(|t| t.failure.is_none())
-                .map(|t| t.env_return)
-                .collect();
-            line.env_return_mean = Some(mean(&returns));
-            environment_failures(&mut line, &failures);
-        }
-        line.loss = trained.remove("loss");
-        line.measured.extend(trained);
-        line.measured.extend(generator_metrics);
         line.completions = Some(trajectories.len() as u64);
-        let prompt_tokens: usize = records
+        let prompt_tokens: usize = self
+            .records
             .iter()
             .map(|&r| sampler.prompt_ids.get(r).map_or(0, Vec::len))
             .sum();
@@ -111,46 +110,70 @@ impl StepReport {
             .filter(|t| t.finish_reason == FinishReason::Length)
             .count();
         line.truncated_fraction = Some(truncated as f64 / count);
-        line.zero_std_group_fraction = Some(zero_std_groups as f64 / records.len().max(1) as f64);
+        line.samples_per_second = Some(trajectories.len() as f64 / self.step_seconds);
+        line.tokens_per_second = Some(generated_tokens as f64 / self.step_seconds);
+    }
+
+    /// The prompt groups without reward spread, refilled by dynamic sampling, or regenerated
+    /// or dropped for staleness.
+    fn group_outcomes(&self, line: &mut StepMetrics, sampler: &Sampler<'_>) {
+        let collected = &self.collected;
+        line.zero_std_group_fraction =
+            Some(collected.zero_std_groups as f64 / self.records.len().max(1) as f64);
         if sampler.config.algorithm.dynamic_sampling_rounds > 0 {
-            line.refilled_groups = Some(refilled_groups as u64);
-            line.refill_rounds = Some(refill_rounds);
+            line.refilled_groups = Some(collected.refilled_groups as u64);
+            line.refill_rounds = Some(collected.refill_rounds);
         }
-        line.stale_groups_regenerated = Some(stale_groups_regenerated as u64);
-        line.stale_groups_dropped = Some(stale_groups_dropped as u64);
-        line.micro_batches = Some(packing.micro_batches as u64);
-        line.trained_rows = Some(packing.rows as u64);
-        line.skipped_rows = Some(packing.skipped_rows as u64);
-        line.padding_fraction = Some(if packing.padded_tokens > 0 {
-            1.0 - packing.real_tokens as f64 / packing.padded_tokens as f64
-        } else {
-            0.0
-        });
-        line.generate_seconds = Some(generate_seconds);
-        line.score_seconds = Some(score_seconds);
-        line.train_seconds = Some(train_seconds);
-        line.weight_sync_seconds = Some(weight_sync_seconds);
+        line.stale_groups_regenerated = Some(collected.stale_groups_regenerated as u64);
+        line.stale_groups_dropped = Some(collected.stale_groups_dropped as u64);
+    }
+
+    /// The seconds each phase of the step took.
+    fn durations(&self, line: &mut StepMetrics) {
+        line.generate_seconds = Some(self.collected.generate_seconds);
+        line.score_seconds = Some(self.collected.score_seconds);
+        line.train_seconds = Some(self.train_seconds);
+        line.weight_sync_seconds = Some(self.weight_sync_seconds);
+    }
+
+    /// How many weight versions the samples lag the update, and the oldest that generated any.
+    fn weight_versions(&self, line: &mut StepMetrics) {
+        let trajectories = &self.collected.trajectories;
+        let staleness: Vec<u64> = trajectories
+            .iter()
+            .filter_map(Trajectory::generated_by)
+            .map(|version| self.trained_version.saturating_sub(version))
+            .collect();
         line.staleness_max = Some(staleness.iter().copied().max().unwrap_or(0));
         line.staleness_mean =
             Some(staleness.iter().sum::<u64>() as f64 / staleness.len().max(1) as f64);
-        line.samples_per_second = Some(trajectories.len() as f64 / step_seconds);
-        line.tokens_per_second = Some(generated_tokens as f64 / step_seconds);
-        line.learning_rate = Some(learning_rate);
         let sampled_with = trajectories
             .iter()
             .filter_map(Trajectory::generated_by)
             .min()
-            .unwrap_or(trained_version);
+            .unwrap_or(self.trained_version);
         line.generation_weight_version = Some(sampled_with);
-        let logged = trajectories
+    }
+
+    /// The `samples.jsonl` lines of the step's first `log_samples` samples.
+    fn logged_samples(&self, sampler: &Sampler<'_>, log_samples: usize) -> Vec<Value> {
+        let collected = &self.collected;
+        collected
+            .trajectories
             .iter()
-            .zip(completions)
+            .zip(&collected.completions)
             .take(log_samples)
-            .zip(rewards.iter().zip(&advantages).zip(&failures))
+            .zip(
+                collected
+                    .rewards
+                    .iter()
+                    .zip(&collected.advantages)
+                    .zip(&collected.failures),
+            )
             .map(
                 |((trajectory, completion), ((reward, advantage), failure))| {
                     json!({
-                        "step": step,
+                        "step": self.step,
                         "group": trajectory.group,
                         "prompt": trajectory.prompt(&sampler.records),
                         "completion": completion,
@@ -159,15 +182,27 @@ impl StepReport {
                         "failed": failure,
                         "finish_reason": trajectory.finish_reason,
                         "weight_version": trajectory.generated_by(),
-                        "trained_at_version": trained_version,
+                        "trained_at_version": self.trained_version,
                         "tokens": trajectory.tokens,
                         "generated": trajectory.loss_mask,
                     })
                 },
             )
-            .collect();
-        (line, logged)
+            .collect()
     }
+}
+
+/// `micro_batches`, `trained_rows`, `skipped_rows` and the share of the packed tokens that
+/// were padding.
+fn packing_efficiency(line: &mut StepMetrics, packing: &PackingStats) {
+    line.micro_batches = Some(packing.micro_batches as u64);
+    line.trained_rows = Some(packing.rows as u64);
+    line.skipped_rows = Some(packing.skipped_rows as u64);
+    line.padding_fraction = Some(if packing.padded_tokens > 0 {
+        1.0 - packing.real_tokens as f64 / packing.padded_tokens as f64
+    } else {
+        0.0
+    });
 }
 
 /// `reward_mean`, `reward_std` and `reward/<name>` over the samples that were scored, and
