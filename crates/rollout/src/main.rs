@@ -14,7 +14,7 @@ use std::process::ExitCode;
 use crate::processes::ClusterError;
 use crate::session::{Session, SessionError};
 use clap::Parser;
-use cli::{Cli, Command, slurm_rank};
+use cli::{Cli, Command, RoleOptions, RunArgs, slurm_rank};
 use rollout_core::config::{self, ConfigError};
 use rollout_core::plan::{self, PlanError};
 use rollout_core::telemetry;
@@ -145,18 +145,7 @@ fn exit_code(err: &anyhow::Error) -> u8 {
 
 async fn execute(command: Command) -> anyhow::Result<()> {
     match command {
-        Command::Run { run } => {
-            let (loaded, start) = run.load()?;
-            run.check_memory(&loaded, plan::Mode::Run)?;
-            let interrupted = interrupt::watch_ctrl_c();
-            // Bound before the plugins load, so a busy port fails at once.
-            let metrics = telemetry::start(&loaded.config.metrics).await?;
-            let telemetry = metrics.as_ref().map(telemetry::MetricsServer::telemetry);
-            let session = Session::open(loaded).await?;
-            let summary = session.run(start, interrupted, telemetry).await?;
-            println!("{}", session::format_summary(&summary));
-            Ok(())
-        }
+        Command::Run { run } => run_command(run).await,
         Command::Check { config, overrides } => {
             let loaded = config::load(&config, &overrides)?;
             let report = Session::open(loaded).await?.report().await?;
@@ -168,23 +157,11 @@ async fn execute(command: Command) -> anyhow::Result<()> {
             overrides,
             output,
             limit,
-        } => {
-            let loaded = config::load(&config, &overrides)?;
-            single_policy(&loaded, "generate")?;
-            let session = Session::open(loaded).await?;
-            let stats = session.generate(limit, output.as_deref()).await?;
-            println!("{stats}");
-            Ok(())
-        }
+        } => generate_command(&config, &overrides, output.as_deref(), limit).await,
         Command::Launch {
             run,
             external_roles,
-        } => {
-            let (loaded, start) = run.load()?;
-            single_policy(&loaded, "launch")?;
-            run.check_memory(&loaded, plan::Mode::Launch { external_roles })?;
-            processes::launch::launch(loaded, start, external_roles).await
-        }
+        } => launch_command(run, external_roles).await,
         Command::Worker { role } => {
             let args = role.into_args(0, 1)?;
             Ok(crate::processes::worker::run_worker(args).await?)
@@ -193,28 +170,8 @@ async fn execute(command: Command) -> anyhow::Result<()> {
             role,
             rank,
             world_size,
-        } => {
-            let slurm = slurm_rank();
-            let rank = rank.or(slurm.map(|s| s.0)).unwrap_or(0);
-            let world_size = world_size.or(slurm.map(|s| s.1)).unwrap_or(1);
-            anyhow::ensure!(
-                rank < world_size,
-                "trainer rank {rank} is not below the world size {world_size}"
-            );
-            let args = role.into_args(rank, world_size)?;
-            Ok(crate::processes::trainer::run_trainer(args).await?)
-        }
-        Command::Audit { output_dir } => {
-            let audit = rollout_core::cluster::ledger::audit(&output_dir.join("ledger.jsonl"))?;
-            println!("{}", serde_json::to_string(&audit)?);
-            anyhow::ensure!(
-                audit.groups_lost == 0 && audit.groups_duplicated == 0,
-                "{} prompt groups lost and {} trained twice",
-                audit.groups_lost,
-                audit.groups_duplicated
-            );
-            Ok(())
-        }
+        } => trainer_command(role, rank, world_size).await,
+        Command::Audit { output_dir } => audit_command(&output_dir),
         Command::Plan {
             config,
             overrides,
@@ -242,6 +199,75 @@ async fn execute(command: Command) -> anyhow::Result<()> {
         }
         Command::InitQuickstart { dir, force } => init_quickstart(dir, force).await,
     }
+}
+
+/// `rollout run`: trains in this process and prints the run's summary.
+async fn run_command(run: RunArgs) -> anyhow::Result<()> {
+    let (loaded, start) = run.load()?;
+    run.check_memory(&loaded, plan::Mode::Run)?;
+    let interrupted = interrupt::watch_ctrl_c();
+    // Bound before the plugins load, so a busy port fails at once.
+    let metrics = telemetry::start(&loaded.config.metrics).await?;
+    let telemetry = metrics.as_ref().map(telemetry::MetricsServer::telemetry);
+    let session = Session::open(loaded).await?;
+    let summary = session.run(start, interrupted, telemetry).await?;
+    println!("{}", session::format_summary(&summary));
+    Ok(())
+}
+
+/// `rollout generate`: completes the data's prompts and prints the generation statistics.
+async fn generate_command(
+    config: &Path,
+    overrides: &[String],
+    output: Option<&Path>,
+    limit: Option<usize>,
+) -> anyhow::Result<()> {
+    let loaded = config::load(config, overrides)?;
+    single_policy(&loaded, "generate")?;
+    let session = Session::open(loaded).await?;
+    let stats = session.generate(limit, output).await?;
+    println!("{stats}");
+    Ok(())
+}
+
+/// `rollout launch`: the run with its roles in processes of their own.
+async fn launch_command(run: RunArgs, external_roles: bool) -> anyhow::Result<()> {
+    let (loaded, start) = run.load()?;
+    single_policy(&loaded, "launch")?;
+    run.check_memory(&loaded, plan::Mode::Launch { external_roles })?;
+    processes::launch::launch(loaded, start, external_roles).await
+}
+
+/// `rollout trainer`: one rank; its rank and world size as given (or torchrun's), else
+/// Slurm's, else rank 0 of 1.
+async fn trainer_command(
+    role: RoleOptions,
+    rank: Option<u32>,
+    world_size: Option<u32>,
+) -> anyhow::Result<()> {
+    let slurm = slurm_rank();
+    let rank = rank.or(slurm.map(|s| s.0)).unwrap_or(0);
+    let world_size = world_size.or(slurm.map(|s| s.1)).unwrap_or(1);
+    anyhow::ensure!(
+        rank < world_size,
+        "trainer rank {rank} is not below the world size {world_size}"
+    );
+    let args = role.into_args(rank, world_size)?;
+    Ok(crate::processes::trainer::run_trainer(args).await?)
+}
+
+/// `rollout audit`: prints the ledger's audit; fails when a prompt group was lost or
+/// trained twice.
+fn audit_command(output_dir: &Path) -> anyhow::Result<()> {
+    let audit = rollout_core::cluster::ledger::audit(&output_dir.join("ledger.jsonl"))?;
+    println!("{}", serde_json::to_string(&audit)?);
+    anyhow::ensure!(
+        audit.groups_lost == 0 && audit.groups_duplicated == 0,
+        "{} prompt groups lost and {} trained twice",
+        audit.groups_lost,
+        audit.groups_duplicated
+    );
+    Ok(())
 }
 
 /// `rollout plan`: prints the memory plan; exits 1 when a device would not hold the run.

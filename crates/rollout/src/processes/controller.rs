@@ -120,71 +120,13 @@ pub async fn gather(
         _ => tracing::info!("{}", limits.encryption.describe()),
     }
     let (mut links, accepting) = accept_roles(listener, key, limits);
-    let mut workers: Vec<Link> = Vec::new();
-    let mut ranks: Vec<Option<Link>> = (0..cluster.trainers).map(|_| None).collect();
     let deadline = tokio::time::Instant::now() + limit;
-    while workers.len() < cluster.workers as usize || ranks.iter().any(Option::is_none) {
-        let link = tokio::time::timeout_at(deadline, links.recv())
-            .await
-            .map_err(|_| {
-                ClusterError::Protocol(format!(
-                    "after {limit:?}, {} of {} generation workers and {} of {} trainer ranks \
-                     had joined (cluster.join_timeout_seconds)",
-                    workers.len(),
-                    cluster.workers,
-                    ranks.iter().filter(|r| r.is_some()).count(),
-                    cluster.trainers
-                ))
-            })?
-            .ok_or_else(|| ClusterError::Protocol("the listener stopped".into()))?;
-        match link.peer.role.as_str() {
-            "worker" if workers.len() < cluster.workers as usize => workers.push(link),
-            "trainer" => {
-                let rank = link.peer.info["rank"].as_u64().unwrap_or(u64::MAX);
-                let world = link.peer.info["world_size"].as_u64().unwrap_or(0);
-                match ranks.get_mut(rank as usize) {
-                    Some(slot) if slot.is_none() && world == u64::from(cluster.trainers) => {
-                        *slot = Some(link);
-                    }
-                    _ => tracing::warn!(
-                        "refused {}: rank {rank} of {world} does not fit {} trainer ranks",
-                        link.describe(),
-                        cluster.trainers
-                    ),
-                }
-            }
-            _ => tracing::warn!(
-                "refused {}: the run needs no more of that role",
-                link.describe()
-            ),
-        }
-    }
-    tracing::info!(
-        "{} generation workers and {} trainer ranks joined; loading the policy in each",
-        workers.len(),
-        ranks.len()
-    );
+    let (workers, ranks) = await_roles(&mut links, cluster, deadline, limit).await?;
     let config_toml = toml::to_string(&loaded.config)
         .map_err(|err| ClusterError::Protocol(format!("cannot serialise the config: {err}")))?;
     let workers: Vec<RpcClient> = workers.into_iter().map(Link::client).collect();
     let trainers: Vec<RpcClient> = ranks.into_iter().flatten().map(Link::client).collect();
-    let mut welcomes = Vec::new();
-    for (index, client) in workers.iter().chain(&trainers).enumerate() {
-        let welcome = Welcome {
-            config_toml: config_toml.clone(),
-            assignment: serde_json::json!({ "index": index }),
-        };
-        welcomes.push((
-            client.describe().to_owned(),
-            client.call(&welcome, Bytes::new())?,
-        ));
-    }
-    for (who, call) in welcomes {
-        tokio::time::timeout_at(deadline, call.answer::<Done>())
-            .await
-            .map_err(|_| ClusterError::Protocol(format!("{who} did not load in time")))?
-            .map_err(|err| ClusterError::Protocol(format!("{who} could not start: {err}")))?;
-    }
+    welcome_all(&workers, &trainers, &config_toml, deadline).await?;
     let journal = loaded.config.run.output_dir.join("ledger.jsonl");
     let settings = PoolSettings {
         lease_timeout: Duration::from_secs_f64(cluster.lease_timeout_seconds),
@@ -204,6 +146,92 @@ pub async fn gather(
         trainer_clocks,
         _accepting: accepting,
     })
+}
+
+/// Takes the links of `cluster.workers` generation workers and of every one of
+/// `cluster.trainers` trainer ranks, refusing any other; fails at `deadline`, `limit` after
+/// the wait began. Returns the workers, and the ranks by rank.
+async fn await_roles(
+    links: &mut mpsc::Receiver<Link>,
+    cluster: &ClusterConfig,
+    deadline: tokio::time::Instant,
+    limit: Duration,
+) -> Result<(Vec<Link>, Vec<Option<Link>>), ClusterError> {
+    let mut workers: Vec<Link> = Vec::new();
+    let mut ranks: Vec<Option<Link>> = (0..cluster.trainers).map(|_| None).collect();
+    while workers.len() < cluster.workers as usize || ranks.iter().any(Option::is_none) {
+        let link = tokio::time::timeout_at(deadline, links.recv())
+            .await
+            .map_err(|_| {
+                ClusterError::Protocol(format!(
+                    "after {limit:?}, {} of {} generation workers and {} of {} trainer ranks \
+                     had joined (cluster.join_timeout_seconds)",
+                    workers.len(),
+                    cluster.workers,
+                    ranks.iter().filter(|r| r.is_some()).count(),
+                    cluster.trainers
+                ))
+            })?
+            .ok_or_else(|| ClusterError::Protocol("the listener stopped".into()))?;
+        match link.peer.role.as_str() {
+            "worker" if workers.len() < cluster.workers as usize => workers.push(link),
+            "trainer" => take_rank(&mut ranks, link, cluster.trainers),
+            _ => tracing::warn!(
+                "refused {}: the run needs no more of that role",
+                link.describe()
+            ),
+        }
+    }
+    tracing::info!(
+        "{} generation workers and {} trainer ranks joined; loading the policy in each",
+        workers.len(),
+        ranks.len()
+    );
+    Ok((workers, ranks))
+}
+
+/// Puts a trainer rank's link in its slot of `ranks`, unless its rank or world size does
+/// not fit the run's `trainers` ranks or the rank has already joined.
+fn take_rank(ranks: &mut [Option<Link>], link: Link, trainers: u32) {
+    let rank = link.peer.info["rank"].as_u64().unwrap_or(u64::MAX);
+    let world = link.peer.info["world_size"].as_u64().unwrap_or(0);
+    match ranks.get_mut(rank as usize) {
+        Some(slot) if slot.is_none() && world == u64::from(trainers) => {
+            *slot = Some(link);
+        }
+        _ => tracing::warn!(
+            "refused {}: rank {rank} of {world} does not fit {trainers} trainer ranks",
+            link.describe()
+        ),
+    }
+}
+
+/// Sends every role the run's config, then waits until each has loaded its policy or
+/// `deadline` passes.
+async fn welcome_all(
+    workers: &[RpcClient],
+    trainers: &[RpcClient],
+    config_toml: &str,
+    deadline: tokio::time::Instant,
+) -> Result<(), ClusterError> {
+    let mut welcomes = Vec::new();
+    for (index, client) in workers.iter().chain(trainers).enumerate() {
+        let welcome = Welcome {
+            config_toml: config_toml.to_owned(),
+            assignment: serde_json::json!({ "index": index }),
+        };
+        welcomes.push((
+            client.describe().to_owned(),
+            client.call(&welcome, Bytes::new())?,
+        ));
+    }
+    for (who, call) in welcomes {
+        tokio::time::timeout_at(deadline, call.answer::<Done>())
+            .await
+            .map_err(|_| ClusterError::Protocol(format!("{who} did not load in time")))?
+            .map_err(|err| ClusterError::Protocol(format!("{who} could not start: {err}")))?;
+    }
+    Ok(())
 }
 
 /// Reports the trainer ranks as joined; returns their names and connection clocks.

@@ -2,16 +2,17 @@
 //! checkpoint and weight requests in order until it is shut down.
 
 use std::collections::HashMap;
+use std::ops::ControlFlow;
 
 use bytes::Bytes;
 use rollout_core::cluster::weights::WeightStore;
-use rollout_core::config::Sharding;
+use rollout_core::config::{LoadedConfig, Sharding};
 use rollout_core::roles::{Learner, RoleError, SaveWritten};
 use rollout_net::messages::{
     CheckpointRequest, Done, MessageKind, PublishWeights, TrainRequest, ValuesRequest,
     WeightsReport,
 };
-use rollout_net::rpc::Responder;
+use rollout_net::rpc::{Incoming, Responder, RpcServer};
 use rollout_python::hosts::PolicyHost;
 use tracing::Instrument;
 
@@ -35,6 +36,33 @@ pub async fn run_trainer(args: RoleArgs) -> Result<(), ClusterError> {
         "weights_address": weights_address,
     });
     let (mut server, loaded, host) = join("trainer", &args, info.clone()).await?;
+    join_process_group(&host, &args, &loaded).await?;
+    let store = WeightStore::default();
+    if let Some(listener) = listener {
+        store.serve(
+            listener,
+            args.key.clone(),
+            hello("trainer", &args, info),
+            args.limits.clone(),
+            WEIGHT_WAIT,
+        );
+    }
+    let rank = Rank {
+        args: &args,
+        host: &host,
+        store: &store,
+        weights_address: &weights_address,
+        writes: HashMap::new(),
+    };
+    rank.serve(&mut server).await
+}
+
+/// Joins the data-parallel process group of the trainer ranks, where there is one.
+async fn join_process_group(
+    host: &PolicyHost,
+    args: &RoleArgs,
+    loaded: &LoadedConfig,
+) -> Result<(), ClusterError> {
     let (cluster, train) = (&loaded.config.cluster, &loaded.config.train);
     // A sharded policy is sharded over a group even of one rank.
     if args.world_size > 1 || train.sharding == Sharding::Fsdp {
@@ -46,81 +74,105 @@ pub async fn run_trainer(args: RoleArgs) -> Result<(), ClusterError> {
             args.world_size
         );
     }
-    let store = WeightStore::default();
-    if let Some(listener) = listener {
-        store.serve(
-            listener,
-            args.key.clone(),
-            hello("trainer", &args, info),
-            args.limits.clone(),
-            WEIGHT_WAIT,
-        );
+    Ok(())
+}
+
+/// A joined rank serving the controller's requests.
+struct Rank<'a> {
+    args: &'a RoleArgs,
+    host: &'a PolicyHost,
+    store: &'a WeightStore,
+    /// Where the rank serves its weights (empty: it serves none).
+    weights_address: &'a str,
+    /// The background saves not yet asked about, by directory.
+    writes: HashMap<String, SaveWritten>,
+}
+
+impl Rank<'_> {
+    /// Answers the controller's requests in order until it shuts this rank down.
+    async fn serve(mut self, server: &mut RpcServer) -> Result<(), ClusterError> {
+        loop {
+            let Some(incoming) = server.requests.recv().await else {
+                return Err(ClusterError::ControllerLost(server.closed_reason()));
+            };
+            let served = self.answer_request(&incoming, &server.responder).await?;
+            if served.is_break() {
+                return Ok(());
+            }
+        }
     }
-    let mut writes = HashMap::new();
-    loop {
-        let Some(incoming) = server.requests.recv().await else {
-            return Err(ClusterError::ControllerLost(server.closed_reason()));
-        };
-        let call = incoming.call;
-        let responder = &server.responder;
+
+    /// Answers one request; breaks once it was the shutdown.
+    async fn answer_request(
+        &mut self,
+        incoming: &Incoming,
+        responder: &Responder,
+    ) -> Result<ControlFlow<()>, ClusterError> {
+        let (call, host) = (incoming.call, self.host);
         match incoming.frame.kind {
             // Each request in a span of its own (`--trace`), decoding included.
             MessageKind::TrainRequest => {
                 let span = tracing::info_span!("rpc.train");
                 let request: TrainRequest = span
                     .in_scope(|| incoming.decode())
-                    .map_err(|err| bad_request(&incoming, err))?;
+                    .map_err(|err| bad_request(incoming, err))?;
                 answer(responder, call, host.train(request).instrument(span).await);
             }
             MessageKind::ValuesRequest => {
                 let span = tracing::info_span!("rpc.values");
                 let request: ValuesRequest = span
                     .in_scope(|| incoming.decode())
-                    .map_err(|err| bad_request(&incoming, err))?;
+                    .map_err(|err| bad_request(incoming, err))?;
                 answer(responder, call, host.values(request).instrument(span).await);
             }
             MessageKind::CheckpointRequest => {
                 let request: CheckpointRequest = incoming
                     .decode()
-                    .map_err(|err| bad_request(&incoming, err))?;
+                    .map_err(|err| bad_request(incoming, err))?;
                 let span =
                     tracing::info_span!("rpc.checkpoint", request = checkpoint_kind(&request));
-                checkpoint(&host, &mut writes, request, responder, call)
+                checkpoint(host, &mut self.writes, request, responder, call)
                     .instrument(span)
                     .await;
             }
             MessageKind::PublishWeights => {
                 let request: PublishWeights = incoming
                     .decode()
-                    .map_err(|err| bad_request(&incoming, err))?;
+                    .map_err(|err| bad_request(incoming, err))?;
                 let target = Publisher {
-                    store: &store,
-                    address: &weights_address,
-                    name: &args.name,
+                    store: self.store,
+                    address: self.weights_address,
+                    name: &self.args.name,
                 };
-                publish(&host, target, request, responder, call)
+                publish(host, target, request, responder, call)
                     .instrument(tracing::info_span!("rpc.publish_weights"))
                     .await;
             }
             MessageKind::Shutdown => {
-                if let Some(peak) = peak_resident_bytes() {
-                    tracing::info!(
-                        "trainer rank {} of {}: peak resident memory {peak} bytes",
-                        args.rank,
-                        args.world_size
-                    );
-                }
-                answer(
-                    responder,
-                    call,
-                    host.leave_data_parallel().await.map(|()| Done {}),
-                );
-                return Ok(());
+                self.shut_down(responder, call).await;
+                return Ok(ControlFlow::Break(()));
             }
             other => {
                 let _ = responder.fail(call, format!("a trainer does not serve {other}"));
             }
         }
+        Ok(ControlFlow::Continue(()))
+    }
+
+    /// Logs the rank's peak memory, leaves the process group and answers the shutdown.
+    async fn shut_down(&self, responder: &Responder, call: u64) {
+        if let Some(peak) = peak_resident_bytes() {
+            tracing::info!(
+                "trainer rank {} of {}: peak resident memory {peak} bytes",
+                self.args.rank,
+                self.args.world_size
+            );
+        }
+        answer(
+            responder,
+            call,
+            self.host.leave_data_parallel().await.map(|()| Done {}),
+        );
     }
 }
 

@@ -6,6 +6,7 @@
 //! it: the generation in progress is finished and answered, requests not yet started are
 //! left unanswered (the controller leases their groups to other workers), and it exits.
 
+use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -18,7 +19,7 @@ use rollout_net::messages::{
     Done, GenerateRequest, GeneratorMemory, MessageKind, SealWeights, SyncWeights,
     TokenizerRequest, TokenizerResponse, WeightsReport,
 };
-use rollout_net::rpc::RpcServer;
+use rollout_net::rpc::{Incoming, Responder, RpcServer};
 use rollout_python::hosts::PolicyHost;
 use tokio::signal::unix::{Signal, SignalKind, signal};
 use tokio::sync::{mpsc, watch};
@@ -162,59 +163,9 @@ impl Serving<'_> {
             let Some(incoming) = incoming else {
                 break Ended::Lost(server.closed_reason());
             };
-            let call = incoming.call;
-            match incoming.frame.kind {
-                MessageKind::GenerateRequest => {
-                    let request: GenerateRequest = incoming
-                        .decode()
-                        .map_err(|err| bad_request(&incoming, err))?;
-                    let span = tracing::info_span!("rpc.generate", prompts = request.prompts.len());
-                    let _ = ordered.send(Ordered::Generate(call, request, span));
-                }
-                MessageKind::SyncWeights => {
-                    let SyncWeights { weights } = incoming
-                        .decode()
-                        .map_err(|err| bad_request(&incoming, err))?;
-                    let span = tracing::info_span!("rpc.sync_weights", version = weights.version);
-                    let pulled = self.pull(weights, seals.subscribe(), &span);
-                    let _ = ordered.send(Ordered::Swap(call, pulled, span));
-                }
-                MessageKind::SealWeights => {
-                    let SealWeights { weights } = incoming
-                        .decode()
-                        .map_err(|err| bad_request(&incoming, err))?;
-                    seals.send_replace(Some(weights));
-                    answer(&server.responder, call, Ok(Done {}));
-                }
-                MessageKind::GeneratorMemory => {
-                    let action: GeneratorMemory = incoming
-                        .decode()
-                        .map_err(|err| bad_request(&incoming, err))?;
-                    let span = tracing::info_span!("rpc.generator_memory", ?action);
-                    let _ = ordered.send(Ordered::Memory(call, action, span));
-                }
-                MessageKind::TokenizerRequest => {
-                    let request: TokenizerRequest = incoming
-                        .decode()
-                        .map_err(|err| bad_request(&incoming, err))?;
-                    let (host, responder) = (self.host.clone(), server.responder.clone());
-                    let span = tracing::info_span!("rpc.tokenize");
-                    tokio::spawn(
-                        async move {
-                            answer(&responder, call, tokenize(&host, request).await);
-                        }
-                        .instrument(span),
-                    );
-                }
-                MessageKind::Shutdown => {
-                    answer(&server.responder, call, Ok(Done {}));
-                    break Ended::Done;
-                }
-                other => {
-                    let _ = server
-                        .responder
-                        .fail(call, format!("a generation worker does not serve {other}"));
-                }
+            let dispatched = self.dispatch(&incoming, &server.responder, &ordered, &seals)?;
+            if let ControlFlow::Break(ended) = dispatched {
+                break ended;
             }
         };
         drop(ordered);
@@ -222,6 +173,75 @@ impl Serving<'_> {
         let _ = executor.await;
         server.close(Duration::from_secs(10)).await;
         Ok(ended)
+    }
+
+    /// Handles one request: queues it behind the work in order, or answers it now, or on a
+    /// task of its own; breaks once it was the shutdown.
+    fn dispatch(
+        &self,
+        incoming: &Incoming,
+        responder: &Responder,
+        ordered: &mpsc::UnboundedSender<Ordered>,
+        seals: &watch::Sender<Option<WeightsReport>>,
+    ) -> Result<ControlFlow<Ended>, ClusterError> {
+        let call = incoming.call;
+        match incoming.frame.kind {
+            MessageKind::GenerateRequest => {
+                let request: GenerateRequest = incoming
+                    .decode()
+                    .map_err(|err| bad_request(incoming, err))?;
+                let span = tracing::info_span!("rpc.generate", prompts = request.prompts.len());
+                let _ = ordered.send(Ordered::Generate(call, request, span));
+            }
+            MessageKind::SyncWeights => {
+                let SyncWeights { weights } = incoming
+                    .decode()
+                    .map_err(|err| bad_request(incoming, err))?;
+                let span = tracing::info_span!("rpc.sync_weights", version = weights.version);
+                let pulled = self.pull(weights, seals.subscribe(), &span);
+                let _ = ordered.send(Ordered::Swap(call, pulled, span));
+            }
+            MessageKind::SealWeights => {
+                let SealWeights { weights } = incoming
+                    .decode()
+                    .map_err(|err| bad_request(incoming, err))?;
+                seals.send_replace(Some(weights));
+                answer(responder, call, Ok(Done {}));
+            }
+            MessageKind::GeneratorMemory => {
+                let action: GeneratorMemory = incoming
+                    .decode()
+                    .map_err(|err| bad_request(incoming, err))?;
+                let span = tracing::info_span!("rpc.generator_memory", ?action);
+                let _ = ordered.send(Ordered::Memory(call, action, span));
+            }
+            MessageKind::TokenizerRequest => {
+                let request: TokenizerRequest = incoming
+                    .decode()
+                    .map_err(|err| bad_request(incoming, err))?;
+                self.spawn_tokenize(call, request, responder);
+            }
+            MessageKind::Shutdown => {
+                answer(responder, call, Ok(Done {}));
+                return Ok(ControlFlow::Break(Ended::Done));
+            }
+            other => {
+                let _ = responder.fail(call, format!("a generation worker does not serve {other}"));
+            }
+        }
+        Ok(ControlFlow::Continue(()))
+    }
+
+    /// Answers a tokenizer request on a task of its own, out of the generations' order.
+    fn spawn_tokenize(&self, call: u64, request: TokenizerRequest, responder: &Responder) {
+        let (host, responder) = (self.host.clone(), responder.clone());
+        let span = tracing::info_span!("rpc.tokenize");
+        tokio::spawn(
+            async move {
+                answer(&responder, call, tokenize(&host, request).await);
+            }
+            .instrument(span),
+        );
     }
 
     /// Starts pulling `report`'s weights at once, while earlier generations still run; an
