@@ -176,14 +176,17 @@ def weight_sync_end_to_end(work: Path, small: Path, data: Path, steps: int) -> l
 
 
 def fractions_of_raw_chain(
-    transport: list[dict[str, Any]], end_to_end: list[dict[str, Any]]
+    transport: list[dict[str, Any]],
+    end_to_end: list[dict[str, Any]],
+    rate: str = "raw_relay_chain_bytes_per_second",
 ) -> dict[str, float]:
     """Per worker count: the raw relay chain's seconds for the model's bytes (measured in this
-    run by the transport benchmark) over the end-to-end sync's median seconds."""
+    run by the transport benchmark; `rate` names which chain) over the end-to-end sync's
+    median seconds."""
     fractions = {}
     for row in end_to_end:
         raw = next(t for t in transport if t["workers"] == row["workers"])
-        raw_seconds = raw["model_bytes"] / raw["raw_relay_chain_bytes_per_second"]
+        raw_seconds = raw["model_bytes"] / raw[rate]
         fractions[str(row["workers"])] = raw_seconds / row["seconds_median"]
     return fractions
 
@@ -352,13 +355,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         small = work / "small"
         SIZES["small"].create(small, seed=0)
         transport = weight_sync_transport(work, small, repeats=3 if quick else 9)
-        end_to_end = weight_sync_end_to_end(work, small, data, steps=3 if quick else 6)
+        end_to_end = weight_sync_end_to_end(work, small, data, steps=3 if quick else 12)
         four = next(row for row in transport if row["workers"] == 4)
         results.update(
             {
                 "weight_sync_fraction_of_loopback": four["fraction_of_loopback"],
                 "weight_sync_fraction_of_raw_relay_chain": four["fraction_of_raw_relay_chain"],
                 "weight_sync_end_to_end_fraction_of_raw_chain": fractions_of_raw_chain(transport, end_to_end),
+                # Against raw sockets that move the model's own bytes and keep them, as a
+                # sync must: a diagnostic beside the target's chain, whose reused 1 MiB
+                # buffers stay in cache.
+                "weight_sync_end_to_end_fraction_of_raw_chain_kept": fractions_of_raw_chain(
+                    transport, end_to_end, rate="raw_relay_chain_kept_bytes_per_second"
+                ),
                 "trainer_egress_per_model_bytes": four["trainer_egress_per_model_bytes"],
                 "weight_sync_seconds": {str(row["workers"]): row["seconds_median"] for row in end_to_end},
                 "weight_sync_transport_seconds": {

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use rollout_core::cluster::weights::{VersionBuffer, WeightStore};
 use rollout_net::ClusterKey;
 use rollout_net::TensorBytes;
@@ -77,15 +78,41 @@ async fn raw_loopback(total: usize) -> f64 {
 
 /// Bytes per second delivered to the last of `hops` raw loopback TCP relays (source -> r1 ->
 /// ... -> r_hops, each forwarding 1 MiB reads as they arrive): the same topology as the
-/// weight chain without framing, checksums or buffering.
+/// weight chain without framing, checksums or buffering. The source writes `total` bytes
+/// from one 16 MiB chunk and each relay reads into one reused 1 MiB buffer, so every byte
+/// the kernel copies is in cache.
 async fn raw_chain(total: usize, hops: usize) -> f64 {
+    let chunk = Bytes::from(vec![7u8; 16 << 20]);
+    let source = (0..total)
+        .step_by(chunk.len())
+        .map(|sent| chunk.slice(..chunk.len().min(total - sent)))
+        .collect::<Vec<_>>();
+    let scratch = (0..hops).map(|_| vec![0u8; 1 << 20]).collect();
+    relay_chain(&source, scratch).await.0
+}
+
+/// [`raw_chain`] moving the model's own bytes, as a weight sync does: the source writes
+/// each tensor's bytes and each relay keeps what it reads, in a model-sized buffer of its
+/// own (`kept`: one per relay, reused from sync to sync as the workers' pools are), so the
+/// kernel copies to and from memory that is not in cache. Returns the buffers for the next
+/// run.
+async fn raw_chain_kept(weights: &[TensorBytes], kept: Vec<Vec<u8>>) -> (f64, Vec<Vec<u8>>) {
+    let source = weights.iter().map(|t| t.data.clone()).collect::<Vec<_>>();
+    relay_chain(&source, kept).await
+}
+
+/// Sends `source` along a chain of one relay per buffer of `landing`. A relay reads at most
+/// 1 MiB at a time, each read at the start of its buffer unless the buffer holds all the
+/// bytes (then it keeps every one in place), and forwards each read as it arrives.
+async fn relay_chain(source: &[Bytes], landing: Vec<Vec<u8>>) -> (f64, Vec<Vec<u8>>) {
+    let total: usize = source.iter().map(Bytes::len).sum();
     let mut listeners = Vec::new();
-    for _ in 0..hops {
+    for _ in 0..landing.len() {
         listeners.push(TcpListener::bind("127.0.0.1:0").await.unwrap());
     }
     let addrs: Vec<_> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
     let mut relays = Vec::new();
-    for (index, listener) in listeners.into_iter().enumerate() {
+    for (index, (listener, mut buffer)) in listeners.into_iter().zip(landing).enumerate() {
         let next = addrs.get(index + 1).copied();
         relays.push(tokio::spawn(async move {
             let (mut upstream, _) = listener.accept().await.unwrap();
@@ -93,31 +120,30 @@ async fn raw_chain(total: usize, hops: usize) -> f64 {
                 Some(addr) => Some(TcpStream::connect(addr).await.unwrap()),
                 None => None,
             };
-            let mut buffer = vec![0u8; 1 << 20];
             let mut seen = 0;
             while seen < total {
-                let n = upstream.read(&mut buffer).await.unwrap();
+                let at = if buffer.len() >= total { seen } else { 0 };
+                let end = buffer.len().min(at + (1 << 20));
+                let n = upstream.read(&mut buffer[at..end]).await.unwrap();
                 assert!(n > 0);
                 if let Some(downstream) = downstream.as_mut() {
-                    downstream.write_all(&buffer[..n]).await.unwrap();
+                    downstream.write_all(&buffer[at..at + n]).await.unwrap();
                 }
                 seen += n;
             }
+            buffer
         }));
     }
-    let chunk = vec![7u8; 16 << 20];
     let started = Instant::now();
     let mut stream = TcpStream::connect(addrs[0]).await.unwrap();
-    let mut sent = 0;
-    while sent < total {
-        let n = chunk.len().min(total - sent);
-        stream.write_all(&chunk[..n]).await.unwrap();
-        sent += n;
+    for bytes in source {
+        stream.write_all(bytes).await.unwrap();
     }
+    let mut landing = Vec::new();
     for relay in relays {
-        relay.await.unwrap();
+        landing.push(relay.await.unwrap());
     }
-    total as f64 / started.elapsed().as_secs_f64()
+    (total as f64 / started.elapsed().as_secs_f64(), landing)
 }
 
 async fn serve(store: &WeightStore, key: &ClusterKey, name: &str) -> String {
@@ -247,6 +273,9 @@ fn main() {
             // The baselines are measured between the syncs, so all three see the same machine.
             let mut raws = Vec::new();
             let mut raw_relays = Vec::new();
+            let mut kept_relays = Vec::new();
+            // Faulted in before the first run, as a worker's pool is after its first sync.
+            let mut kept: Vec<Vec<u8>> = (0..count).map(|_| vec![1u8; model_bytes as usize]).collect();
             let mut seconds = Vec::new();
             let mut egress_bytes = 0;
             let (mut cpu_seconds, mut raw_relay_cpu_seconds) = (Vec::new(), Vec::new());
@@ -255,6 +284,9 @@ fn main() {
                 let cpu_before = process_cpu_seconds();
                 raw_relays.push(raw_chain(model_bytes as usize, count).await);
                 raw_relay_cpu_seconds.push(process_cpu_seconds() - cpu_before);
+                let (kept_rate, returned) = raw_chain_kept(&weights, kept).await;
+                kept_relays.push(kept_rate);
+                kept = returned;
                 version += 1;
                 let sent_before = trainer.sent_bytes.load(Ordering::Relaxed);
                 let (wall, cpu) =
@@ -267,15 +299,17 @@ fn main() {
             let raw_relay_cpu_median = median(&mut raw_relay_cpu_seconds);
             let raw = median(&mut raws);
             let raw_relay = median(&mut raw_relays);
+            let kept_relay = median(&mut kept_relays);
             let median = median(&mut seconds);
             let delivered = model_bytes as f64 / median;
             eprintln!(
-                "{count} workers: {median:.3} s per sync, {:.2} GB/s to the last worker, {:.3} CPU s; raw loopback {:.2} GB/s, raw relay chain {:.2} GB/s, {:.3} CPU s",
+                "{count} workers: {median:.3} s per sync, {:.2} GB/s to the last worker, {:.3} CPU s; raw loopback {:.2} GB/s, raw relay chain {:.2} GB/s, {:.3} CPU s, keeping the model's bytes {:.2} GB/s",
                 delivered / 1e9,
                 cpu_median,
                 raw / 1e9,
                 raw_relay / 1e9,
-                raw_relay_cpu_median
+                raw_relay_cpu_median,
+                kept_relay / 1e9
             );
             rows.push(serde_json::json!({
                 "workers": count,
@@ -289,6 +323,8 @@ fn main() {
                 "fraction_of_loopback": delivered / raw,
                 "raw_relay_chain_bytes_per_second": raw_relay,
                 "fraction_of_raw_relay_chain": delivered / raw_relay,
+                "raw_relay_chain_kept_bytes_per_second": kept_relay,
+                "fraction_of_raw_relay_chain_kept": delivered / kept_relay,
                 "trainer_egress_per_model_bytes": egress_bytes as f64 / (repeats as u64 * model_bytes) as f64,
                 "cpu_seconds_median": cpu_median,
                 "raw_relay_chain_cpu_seconds_median": raw_relay_cpu_median,
