@@ -37,7 +37,12 @@ from bench.e2e.flops import forward_gemm_seconds, matmul_shapes  # noqa: E402
 from python_plugins.quickstart import create_tiny_model  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "engine.json"
-WITHOUT_SHARED_PREFIXES = ("--set", "policy.options.shared_prefix_attention=false")
+# Each feature is measured by running the engine without it right before or right after the
+# engine with it, in turns.
+ABLATIONS = {
+    "shared_prefix_attention": ("--set", "policy.options.shared_prefix_attention=false"),
+    "weight_first_matmuls": ("--set", 'policy.options.engine_matmuls="linear"'),
+}
 DOCS = REPO / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- engine:begin -->", "<!-- engine:end -->"
 WORDS = "the a of to and in is it that for on with as at by this be are from or an".split()
@@ -229,11 +234,10 @@ def main() -> None:
     runs = []
     for repeat in range(args.repeats):
         hf = hf_generate(model_dir, records, args.group, args.batch_prompts, args.seed + repeat)
-        # The engine without shared-prefix attention right before or right after, in turns.
-        ablate_first = repeat % 2 == 0
-        ablated = engine(WITHOUT_SHARED_PREFIXES) if ablate_first else {}
+        ablated_first = repeat % 2 == 0
+        ablated = {name: engine(overrides) for name, overrides in ABLATIONS.items()} if ablated_first else {}
         ours = engine()
-        ablated = ablated or engine(WITHOUT_SHARED_PREFIXES)
+        ablated = ablated or {name: engine(overrides) for name, overrides in ABLATIONS.items()}
         rows = rows_per_step(records, int(ours["engine/prompt_tokens_computed"]))
         if len(rows) != ours["engine/steps"]:
             print(f"note: {ours['engine/steps']} engine steps, the bound assumes {len(rows)}")
@@ -244,8 +248,11 @@ def main() -> None:
                 "hf_generate": hf,
                 "rollout": ours,
                 "speedup": ours["tokens_per_second"] / hf["tokens_per_second"],
-                "rollout_without_shared_prefix_attention": ablated,
-                "shared_prefix_attention_speedup": ours["tokens_per_second"] / ablated["tokens_per_second"],
+                **{f"rollout_without_{name}": run for name, run in ablated.items()},
+                **{
+                    f"{name}_speedup": ours["tokens_per_second"] / run["tokens_per_second"]
+                    for name, run in ablated.items()
+                },
                 "compute_bound": bound,
                 "compute_bound_fraction_per_query_token": bound["gemm_bound_seconds"]
                 / ours["engine/seconds"],
@@ -256,8 +263,8 @@ def main() -> None:
         print(
             f"repeat {repeat}: rollout {ours['tokens_per_second']:.0f} tok/s, "
             f"hf generate {hf['tokens_per_second']:.0f} tok/s, x{runs[-1]['speedup']:.2f}, "
-            f"without shared-prefix attention {ablated['tokens_per_second']:.0f} tok/s, "
-            f"compute-bound fraction {runs[-1]['compute_bound_fraction_per_query_token']:.2f}",
+            + "".join(f"without {name} {r['tokens_per_second']:.0f} tok/s, " for name, r in ablated.items())
+            + f"compute-bound fraction {runs[-1]['compute_bound_fraction_per_query_token']:.2f}",
             flush=True,
         )
     best = max(runs, key=lambda r: r["speedup"])
@@ -285,9 +292,7 @@ def main() -> None:
             np.median([r["hf_generate"]["tokens_per_second"] for r in runs])
         ),
         "speedup_vs_hf_generate": median_speedup,
-        "shared_prefix_attention_speedup": float(
-            np.median([r["shared_prefix_attention_speedup"] for r in runs])
-        ),
+        **{f"{name}_speedup": float(np.median([r[f"{name}_speedup"] for r in runs])) for name in ABLATIONS},
         "compute_bound_fraction_per_query_token": float(
             np.median([r["compute_bound_fraction_per_query_token"] for r in runs])
         ),
@@ -315,8 +320,9 @@ def main() -> None:
 def update_docs(summary: dict) -> None:
     rows = [
         "| run | Rollout engine tok/s | HF generate tok/s | speed-up | compute-bound fraction "
-        "| engine without shared-prefix attention tok/s | its gain |",
-        "|---|---|---|---|---|---|---|",
+        "| engine without shared-prefix attention tok/s | its gain "
+        "| engine with `nn.Linear` matmuls tok/s | weight-first matmuls' gain |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for i, run in enumerate(summary["runs"]):
         rows.append(
@@ -324,7 +330,9 @@ def update_docs(summary: dict) -> None:
             f"{run['hf_generate']['tokens_per_second']:.0f} | {run['speedup']:.2f}x | "
             f"{run['compute_bound_fraction_per_query_token']:.2f} | "
             f"{run['rollout_without_shared_prefix_attention']['tokens_per_second']:.0f} | "
-            f"{run['shared_prefix_attention_speedup']:.2f}x |"
+            f"{run['shared_prefix_attention_speedup']:.2f}x | "
+            f"{run['rollout_without_weight_first_matmuls']['tokens_per_second']:.0f} | "
+            f"{run['weight_first_matmuls_speedup']:.2f}x |"
         )
     workload = summary["workload"]
     overhead = summary["overhead_fraction"]
@@ -354,7 +362,10 @@ def update_docs(summary: dict) -> None:
             "",
             "Shared-prefix attention (`policy.options.shared_prefix_attention`, on by default) "
             f"gains **{summary['shared_prefix_attention_speedup']:.2f}x** (median of the per-run "
-            "ratios; each run has the engine without it right before or right after, in turns).",
+            "ratios; each run has the engine without it right before or right after, in turns); "
+            "weight-first matmuls for steps of few rows (`policy.options.engine_matmuls`, "
+            f"`auto` by default) gain **{summary['weight_first_matmuls_speedup']:.2f}x**, measured "
+            "the same way against `nn.Linear`.",
             "",
             "Compute-bound fraction per query token (median over the runs): "
             f"**{summary['compute_bound_fraction_per_query_token']:.2f}**: the model's weight matmuls "

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from python_plugins.decode_matmuls import EngineMatmuls, engine_forward, install_engine_matmuls
 from python_plugins.engine_inputs import StepLayout, check_step
 from python_plugins.engine_sampling import RowSampling, propose, verify
 from python_plugins.paged_attention import (
@@ -34,7 +35,9 @@ __all__ = ["EngineRunner", "PagedModel", "available_memory", "releases_memory"]
 class PagedModel:
     """One model and its paged KV cache."""
 
-    def __init__(self, model: PreTrainedModel, shared_prefixes: bool = True) -> None:
+    def __init__(
+        self, model: PreTrainedModel, shared_prefixes: bool = True, matmuls: EngineMatmuls = "auto"
+    ) -> None:
         if not model._supports_attention_backend:
             raise NotImplementedError(
                 f"{type(model).__name__} does not take its attention from transformers' "
@@ -45,6 +48,7 @@ class PagedModel:
                 f"{type(model).__name__}.forward has no `logits_to_keep`, which the sampling engine needs"
             )
         self.model = model
+        install_engine_matmuls(model, matmuls)
         text_config = model.config.get_text_config()
         self.geometry = CacheGeometry.of(model.config)
         #: Whether decodes forked from one prompt read their common prefix once.
@@ -85,7 +89,7 @@ class PagedModel:
         """Run the packed tokens as one sequence; the logits ``[len(at), vocab]`` of tokens ``at``."""
         assert self.cache is not None
         inputs = {"input_ids": input_ids[None], "position_ids": positions[None], "use_cache": False}
-        with paged_forward(self.model, self.cache, plan):
+        with paged_forward(self.model, self.cache, plan), engine_forward():
             return self.model(**inputs, logits_to_keep=at).logits[0]
 
 
@@ -93,10 +97,14 @@ class EngineRunner:
     """Runs engine steps for a target model and an optional draft model sharing its slots."""
 
     def __init__(
-        self, target: PreTrainedModel, draft: PreTrainedModel | None = None, shared_prefixes: bool = True
+        self,
+        target: PreTrainedModel,
+        draft: PreTrainedModel | None = None,
+        shared_prefixes: bool = True,
+        matmuls: EngineMatmuls = "auto",
     ) -> None:
-        self.target = PagedModel(target, shared_prefixes)
-        self.draft = PagedModel(draft, shared_prefixes) if draft is not None else None
+        self.target = PagedModel(target, shared_prefixes, matmuls)
+        self.draft = PagedModel(draft, shared_prefixes, matmuls) if draft is not None else None
         self.device = target.device
         self._forward_seconds = 0.0
 

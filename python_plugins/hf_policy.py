@@ -18,6 +18,7 @@ from transformers import AutoTokenizer, PreTrainedModel
 from transformers.utils import logging as transformers_logging
 
 from python_plugins.checkpoint_io import load_optimizer, model_files, optimizer_files, tokenizer_files
+from python_plugins.decode_matmuls import EngineMatmuls
 from python_plugins.engine_runner import EngineRunner
 from python_plugins.hub_cache import resolve_model_path
 from python_plugins.model_setup import (
@@ -95,6 +96,8 @@ class HFCausalLM(Policy):
         # The sampling engine attends the decodes of one prompt's samples over their common
         # prefix once (python_plugins/cascade_attention.py; same result up to float rounding).
         shared_prefix_attention: bool = True
+        # The sampling engine's matmuls over few rows (python_plugins/decode_matmuls.py).
+        engine_matmuls: EngineMatmuls = "auto"
         # Memory (python_plugins/model_setup.py, docs/memory.md). `lora_rank` > 0 trains only
         # LoRA adapters (PEFT) on the frozen base; 0 is full fine-tuning.
         lora_rank: int = 0
@@ -320,7 +323,12 @@ class HFCausalLM(Policy):
     def engine_runner(self) -> EngineRunner:
         # Built on first use: for a model it cannot run, `kv_layout` raises NotImplementedError
         # and the engine falls back to `generate`.
-        return EngineRunner(self.model, self.draft_model, shared_prefixes=self.config.shared_prefix_attention)
+        return EngineRunner(
+            self.model,
+            self.draft_model,
+            shared_prefixes=self.config.shared_prefix_attention,
+            matmuls=self.config.engine_matmuls,
+        )
 
     def kv_layout(self) -> KvLayout:
         return self.engine_runner.kv_layout()

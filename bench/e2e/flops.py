@@ -94,17 +94,24 @@ def machine_limits(config: Mapping[str, Any], rows: int, threads: int) -> dict[s
 def forward_gemm_seconds(config: Mapping[str, Any], rows: int) -> float:
     """Seconds one forward pass's weight matmuls alone take over ``rows`` tokens at once: every
     matrix of the model, each with its own weights, in order (so that, as in a real forward
-    pass, weights that do not fit in the caches stream from memory), best of repeated runs."""
+    pass, weights that do not fit in the caches stream from memory), best of repeated runs and
+    of the two ways to lay the product out (``x · W``, and ``W · xᵀ`` with one row doubled,
+    which the sampling engine uses for few rows: python_plugins/decode_matmuls.py)."""
     import torch
 
     weights = [torch.randn(n_in, n_out) for n_in, n_out in matmul_shapes(config)]
-    inputs = {n_in: torch.randn(rows, n_in) for n_in in {w.shape[0] for w in weights}}
+    transposed = [weight.t().contiguous() for weight in weights]
+    inputs = {n_in: torch.randn(max(rows, 2), n_in) for n_in in {w.shape[0] for w in weights}}
 
-    def forward() -> None:
+    def inputs_first() -> None:
         for weight in weights:
-            torch.mm(inputs[weight.shape[0]], weight)
+            torch.mm(inputs[weight.shape[0]][:rows], weight)
 
-    return _best_time(forward, min_seconds=0.3)
+    def weights_first() -> None:
+        for weight in transposed:
+            torch.mm(weight, inputs[weight.shape[1]].t())
+
+    return min(_best_time(inputs_first, min_seconds=0.3), _best_time(weights_first, min_seconds=0.3))
 
 
 def _best_time(function: Callable[[], Any], min_seconds: float) -> float:

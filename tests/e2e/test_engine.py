@@ -93,6 +93,7 @@ def by_prompt(completions: list[dict]) -> dict[int, list[list[int]]]:
         pytest.param(("engine.max_batch_tokens=8", "engine.max_running=4"), id="chunked-prefill"),
         pytest.param(('engine.speculation.method="ngram"',), id="ngram-speculation"),
         pytest.param(("engine.kv_cache_bytes=65536", "engine.block_size=4"), id="preemption"),
+        pytest.param(('policy.options.engine_matmuls="weight_first"',), id="weight-first-matmuls"),
     ],
 )
 def test_greedy_matches_hf_generate(

@@ -107,6 +107,18 @@ def test_greedy_matches_hf_generate(model, schedule, request):
     assert policy.model.config._attn_implementation == "sdpa"
 
 
+@pytest.mark.parametrize("model", MODELS)
+def test_weight_first_matmuls_keep_greedy_outputs(model, request):
+    """Every linear layer forced weight first (python_plugins/decode_matmuls.py)."""
+    model_dir = request.getfixturevalue(model)
+    policy = make_policy(model_dir, engine_matmuls="weight_first")
+    prompts = prompts_of(policy)
+    options, n = SCHEDULES["group-fork"]
+    groups = EngineDriver(policy, options).generate(prompts, n=n)
+    for group, tokens in zip(groups, expected_greedy(model_dir, prompts), strict=True):
+        assert [c.tokens for c in group] == [tokens] * n
+
+
 @pytest.mark.parametrize("schedule", ["group-fork", "chunked-prefill", "prompt-lookup-drafts", "draft-model"])
 def test_sampled_logprobs_match_teacher_forcing(tiny_model_dir, tiny_gpt2_dir, schedule):
     temperature = 0.7

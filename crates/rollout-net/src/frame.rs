@@ -260,24 +260,87 @@ impl Preamble {
     }
 }
 
+impl FrameCodec {
+    /// Takes what `src` holds of the arriving large payload; the frame once it is whole.
+    fn continue_payload(
+        &mut self,
+        kind: MessageKind,
+        header: Bytes,
+        mut payload: ArrivingPayload,
+        src: &mut BytesMut,
+    ) -> Option<Frame> {
+        payload.take_from(src);
+        if payload.missing() > 0 {
+            self.arriving = Some((kind, header, payload));
+            return None;
+        }
+        let (payload, digest) = payload.finish();
+        Some(Frame {
+            kind,
+            header,
+            payload,
+            payload_xxh3: Some(digest),
+        })
+    }
+
+    /// Once the header is in, a large payload is read into a pooled buffer instead of `src`.
+    fn start_pooled_payload(
+        &mut self,
+        kind: MessageKind,
+        sizes: FrameSizes,
+        src: &mut BytesMut,
+    ) -> Result<Option<Frame>, FrameError> {
+        let head_len = PREAMBLE_LEN + sizes.header;
+        if src.len() < head_len {
+            make_room(src, head_len);
+            return Ok(None);
+        }
+        src.advance(PREAMBLE_LEN);
+        // Copied, so the read buffer stays this codec's alone and is reused.
+        let header = Bytes::copy_from_slice(&src[..sizes.header]);
+        src.advance(sizes.header);
+        let payload = ArrivingPayload::start(sizes.payload, &self.pool);
+        self.arriving = Some((kind, header, payload));
+        self.decode(src)
+    }
+}
+
+/// A frame's lengths in this machine's `usize`, their sum known not to overflow.
+struct FrameSizes {
+    header: usize,
+    payload: usize,
+    frame: usize,
+}
+
+impl FrameSizes {
+    /// Both lengths are within the limits already; they must still fit this machine's memory.
+    fn of(preamble: &Preamble) -> Result<Self, FrameError> {
+        let too_large = || FrameError::PayloadTooLarge {
+            kind: preamble.kind,
+            len: preamble.payload_len,
+            max: u64::try_from(usize::MAX).unwrap_or(u64::MAX),
+        };
+        let header = usize::try_from(preamble.header_len).map_err(|_| too_large())?;
+        let payload = usize::try_from(preamble.payload_len).map_err(|_| too_large())?;
+        let frame = PREAMBLE_LEN
+            .checked_add(header)
+            .and_then(|head| head.checked_add(payload))
+            .ok_or_else(too_large)?;
+        Ok(Self {
+            header,
+            payload,
+            frame,
+        })
+    }
+}
+
 impl Decoder for FrameCodec {
     type Item = Frame;
     type Error = FrameError;
 
     fn decode(&mut self, src: &mut BytesMut) -> Result<Option<Frame>, FrameError> {
-        if let Some((kind, header, mut payload)) = self.arriving.take() {
-            payload.take_from(src);
-            if payload.missing() > 0 {
-                self.arriving = Some((kind, header, payload));
-                return Ok(None);
-            }
-            let (payload, digest) = payload.finish();
-            return Ok(Some(Frame {
-                kind,
-                header,
-                payload,
-                payload_xxh3: Some(digest),
-            }));
+        if let Some((kind, header, payload)) = self.arriving.take() {
+            return Ok(self.continue_payload(kind, header, payload, src));
         }
         let Some(preamble) = src.first_chunk::<PREAMBLE_LEN>() else {
             // Reject a peer that speaks another protocol without waiting for 24 bytes.
@@ -289,48 +352,25 @@ impl Decoder for FrameCodec {
             }
             return Ok(None);
         };
-        let Preamble {
-            kind,
-            header_len,
-            payload_len,
-        } = Preamble::parse(preamble)?;
-        self.check_lengths(kind, u64::from(header_len), payload_len)?;
-
-        // Both lengths are within the limits; they must still fit this machine's memory.
-        let too_large = || FrameError::PayloadTooLarge {
-            kind,
-            len: payload_len,
-            max: u64::try_from(usize::MAX).unwrap_or(u64::MAX),
-        };
-        let header_len = usize::try_from(header_len).map_err(|_| too_large())?;
-        let payload_len_usize = usize::try_from(payload_len).map_err(|_| too_large())?;
-        let head_len = PREAMBLE_LEN.checked_add(header_len).ok_or_else(too_large)?;
-        let frame_len = head_len
-            .checked_add(payload_len_usize)
-            .ok_or_else(too_large)?;
-
-        if payload_len_usize >= POOLED_PAYLOAD_BYTES {
-            if src.len() < head_len {
-                make_room(src, head_len);
-                return Ok(None);
-            }
-            src.advance(PREAMBLE_LEN);
-            // Copied, so the read buffer stays this codec's alone and is reused.
-            let header = Bytes::copy_from_slice(&src[..header_len]);
-            src.advance(header_len);
-            let payload = ArrivingPayload::start(payload_len_usize, &self.pool);
-            self.arriving = Some((kind, header, payload));
-            return self.decode(src);
+        let preamble = Preamble::parse(preamble)?;
+        self.check_lengths(
+            preamble.kind,
+            u64::from(preamble.header_len),
+            preamble.payload_len,
+        )?;
+        let sizes = FrameSizes::of(&preamble)?;
+        if sizes.payload >= POOLED_PAYLOAD_BYTES {
+            return self.start_pooled_payload(preamble.kind, sizes, src);
         }
-        if src.len() < frame_len {
-            make_room(src, frame_len);
+        if src.len() < sizes.frame {
+            make_room(src, sizes.frame);
             return Ok(None);
         }
-        let mut frame = src.split_to(frame_len).freeze();
+        let mut frame = src.split_to(sizes.frame).freeze();
         frame.advance(PREAMBLE_LEN);
-        let header = frame.split_to(header_len);
+        let header = frame.split_to(sizes.header);
         Ok(Some(Frame {
-            kind,
+            kind: preamble.kind,
             header,
             payload: frame,
             payload_xxh3: None,

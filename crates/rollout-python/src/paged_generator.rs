@@ -462,21 +462,17 @@ fn call_metrics(
     measured: &CallMeasurements,
     seconds: f64,
 ) -> BTreeMap<String, f64> {
-    let steps = after.steps.saturating_sub(before.steps).max(1) as f64;
-    let call_mean = |after_mean: f64, before_mean: f64| {
-        (after_mean * after.steps as f64 - before_mean * before.steps as f64) / steps
-    };
-    let drafted = after.drafted_tokens.saturating_sub(before.drafted_tokens) as f64;
-    let accepted = after.accepted_tokens.saturating_sub(before.accepted_tokens) as f64;
-    let generated = after
-        .generated_tokens
-        .saturating_sub(before.generated_tokens) as f64;
-    let query = after.query_tokens.saturating_sub(before.query_tokens) as f64;
-    let delta = |a: u64, b: u64| a.saturating_sub(b) as f64;
     let mut metrics = BTreeMap::new();
     let mut put = |name: &str, value: f64| {
         metrics.insert(format!("engine/{name}"), value);
     };
+    put_timings(&mut put, measured, seconds);
+    put_scheduler_counts(&mut put, before, after);
+    metrics
+}
+
+/// Where the request's time went: its steps, the forward passes, everything else.
+fn put_timings(put: &mut impl FnMut(&str, f64), measured: &CallMeasurements, seconds: f64) {
     put("steps", measured.steps as f64);
     put("seconds", seconds);
     put("forward_seconds", measured.forward_seconds);
@@ -488,6 +484,22 @@ fn call_metrics(
             0.0
         },
     );
+    if measured.stop_string_seconds > 0.0 {
+        put("stop_string_seconds", measured.stop_string_seconds);
+    }
+}
+
+/// What the scheduler counted during the request: the KV cache's use, tokens and drafts.
+fn put_scheduler_counts(
+    put: &mut impl FnMut(&str, f64),
+    before: &EngineStats,
+    after: &EngineStats,
+) {
+    let steps = after.steps.saturating_sub(before.steps).max(1) as f64;
+    let call_mean = |after_mean: f64, before_mean: f64| {
+        (after_mean * after.steps as f64 - before_mean * before.steps as f64) / steps
+    };
+    let delta = |a: u64, b: u64| a.saturating_sub(b) as f64;
     put(
         "kv_utilisation_mean",
         call_mean(after.kv_utilisation_mean, before.kv_utilisation_mean),
@@ -516,15 +528,19 @@ fn call_metrics(
         "prompt_tokens_computed",
         delta(after.prompt_tokens_computed, before.prompt_tokens_computed),
     );
-    put("batch_tokens_mean", query / steps);
-    put("generated_tokens", generated);
+    put(
+        "batch_tokens_mean",
+        delta(after.query_tokens, before.query_tokens) / steps,
+    );
+    put(
+        "generated_tokens",
+        delta(after.generated_tokens, before.generated_tokens),
+    );
+    let drafted = delta(after.drafted_tokens, before.drafted_tokens);
     if drafted > 0.0 {
+        let accepted = delta(after.accepted_tokens, before.accepted_tokens);
         put("drafted_tokens", drafted);
         put("accepted_tokens", accepted);
         put("acceptance_rate", accepted / drafted);
     }
-    if measured.stop_string_seconds > 0.0 {
-        put("stop_string_seconds", measured.stop_string_seconds);
-    }
-    metrics
 }

@@ -94,24 +94,43 @@ impl Session {
         }
     }
     async fn policy_report(&self, policy: &PolicyHost) -> Result<String, SessionError> {
-        let config = &self.loaded.config;
         let prompts: Vec<String> = self.records.iter().map(|r| r.prompt.clone()).collect();
         let encoded = policy.encode(prompts, false).await?;
         let longest = encoded.iter().map(Vec::len).max().unwrap_or(0);
-        if let Some(sft) = &config.sft {
-            if let Some(index) = self
-                .records
-                .iter()
-                .position(|r| r.fields.get(&sft.completion_key).is_none())
-            {
-                return Err(RunError::Data(format!(
-                    "[sft] needs `{}` in every record, but record {index} has none",
-                    sft.completion_key
-                ))
-                .into());
-            }
-        }
+        self.check_sft_records()?;
         let described = policy.describe().await?;
+        let mut lines = self.setup_lines(policy.spec(), &described, longest);
+        lines.extend(self.dry_run_lines().await?);
+        Ok(lines.join("\n"))
+    }
+
+    /// `[sft]` trains on every record's completion: each must have one.
+    fn check_sft_records(&self) -> Result<(), SessionError> {
+        let Some(sft) = &self.loaded.config.sft else {
+            return Ok(());
+        };
+        match self
+            .records
+            .iter()
+            .position(|r| r.fields.get(&sft.completion_key).is_none())
+        {
+            Some(index) => Err(RunError::Data(format!(
+                "[sft] needs `{}` in every record, but record {index} has none",
+                sft.completion_key
+            ))
+            .into()),
+            None => Ok(()),
+        }
+    }
+
+    /// The config's policy, data, rewards, environment and callbacks, as loaded.
+    fn setup_lines(
+        &self,
+        spec: &str,
+        described: &serde_json::Value,
+        longest_prompt: usize,
+    ) -> Vec<String> {
+        let config = &self.loaded.config;
         let rewards: Vec<String> = config
             .rewards
             .iter()
@@ -119,9 +138,9 @@ impl Session {
             .collect();
         let mut lines = vec![
             format!("config OK: {}", self.loaded.path.display()),
-            format!("  policy       {} {described}", policy.spec()),
+            format!("  policy       {spec} {described}"),
             format!(
-                "  data         {} records, longest prompt {longest} tokens, first prompt {:?}",
+                "  data         {} records, longest prompt {longest_prompt} tokens, first prompt {:?}",
                 self.records.len(),
                 self.records
                     .first()
@@ -144,6 +163,12 @@ impl Session {
             ));
         }
         lines.push(format!("  callbacks    {}", config.callbacks.len()));
+        lines
+    }
+
+    /// A dry run's completions of the first prompt and their rewards, and a step's size.
+    async fn dry_run_lines(&self) -> Result<[String; 2], SessionError> {
+        let config = &self.loaded.config;
         let observer: &dyn Observer = &self.services;
         let dry_run = Controller::new(
             config,
@@ -154,20 +179,25 @@ impl Session {
         .dry_run()
         .await?;
         let reward_mean = dry_run.rewards.iter().sum::<f64>() / dry_run.rewards.len().max(1) as f64;
-        lines.push(format!(
-            "  sampled      {} completions of the first prompt ({} tokens, {:.1}s), reward mean {reward_mean:.3}, e.g. {:?}",
-            dry_run.completions.len(),
-            dry_run.generated_tokens,
-            dry_run.seconds,
-            dry_run.completions.first().map(String::as_str).unwrap_or_default(),
-        ));
-        lines.push(format!(
-            "  per step     {} prompts x {} completions, up to {} new tokens each",
-            config.rollout.prompts_per_step,
-            config.rollout.group_size,
-            config.rollout.max_new_tokens
-        ));
-        Ok(lines.join("\n"))
+        Ok([
+            format!(
+                "  sampled      {} completions of the first prompt ({} tokens, {:.1}s), reward mean {reward_mean:.3}, e.g. {:?}",
+                dry_run.completions.len(),
+                dry_run.generated_tokens,
+                dry_run.seconds,
+                dry_run
+                    .completions
+                    .first()
+                    .map(String::as_str)
+                    .unwrap_or_default(),
+            ),
+            format!(
+                "  per step     {} prompts x {} completions, up to {} new tokens each",
+                config.rollout.prompts_per_step,
+                config.rollout.group_size,
+                config.rollout.max_new_tokens
+            ),
+        ])
     }
 
     /// What `rollout check` prints for a multi-agent run: every agent's policy, the data and

@@ -433,57 +433,38 @@ impl WeightStore {
             // Hashed by the decoder as the bytes arrived: no second pass over the payload.
             let found = frame.payload_checksum();
             let (header, more, payload) = call.decode::<WeightsBucket>(frame)?;
-            let corrupt = |reason: String| WeightsError::Corrupt {
-                version: report.version,
-                index: header.index,
-                source_name: source_name.clone(),
-                reason,
+            let arrived = ArrivedBucket {
+                header: &header,
+                more,
+                payload_len: payload.len() as u64,
+                checksum: &found,
             };
             let expected_index = buffer.as_ref().map_or(0, |b| b.bucket_count_so_far());
-            if header.version != report.version
-                || header.index != expected_index
-                || header.count == 0
-                || (more != (header.index + 1 < header.count))
-            {
-                return Err(corrupt(format!(
-                    "out of sequence (version {}, bucket {} of {})",
-                    header.version, header.index, header.count
-                )));
-            }
-            if found != header.checksum {
-                return Err(corrupt(format!(
-                    "checksum {found}, the sender computed {}",
-                    header.checksum
-                )));
-            }
-            header
-                .tensors
-                .validate(payload.len() as u64)
-                .map_err(|err| corrupt(err.to_string()))?;
+            arrived
+                .check(expected_index, report.version)
+                .map_err(|reason| corrupt(report.version, header.index, &source_name, reason))?;
             let target = buffer.get_or_insert_with(|| {
                 let buffer = Arc::new(VersionBuffer::new(report.version, header.count));
                 self.publish(buffer.clone());
                 buffer
             });
             if header.count != target.count {
-                return Err(corrupt("the bucket count changed mid-version".into()));
+                let reason = "the bucket count changed mid-version".into();
+                return Err(corrupt(report.version, header.index, &source_name, reason));
             }
             version_hasher.add(&header);
             target.push(Bucket { header, payload });
         }
-        let buffer = buffer.ok_or_else(|| WeightsError::Corrupt {
-            version: report.version,
-            index: 0,
-            source_name: source_name.clone(),
-            reason: "no buckets".into(),
-        })?;
+        let buffer =
+            buffer.ok_or_else(|| corrupt(report.version, 0, &source_name, "no buckets".into()))?;
         if buffer.bucket_count_so_far() != buffer.count {
-            return Err(WeightsError::Corrupt {
-                version: report.version,
-                index: buffer.bucket_count_so_far(),
-                source_name,
-                reason: "the stream ended early".into(),
-            });
+            let reason = "the stream ended early".into();
+            return Err(corrupt(
+                report.version,
+                buffer.bucket_count_so_far(),
+                &source_name,
+                reason,
+            ));
         }
         let found = version_hasher.finish();
         if report.is_sealed() && found != report.checksum {
@@ -494,6 +475,52 @@ impl WeightStore {
             });
         }
         Ok(buffer)
+    }
+}
+
+/// A bucket as it came off the wire, before it is stored.
+struct ArrivedBucket<'a> {
+    header: &'a WeightsBucket,
+    more: bool,
+    payload_len: u64,
+    /// The payload's checksum as computed while it was read.
+    checksum: &'a str,
+}
+
+impl ArrivedBucket<'_> {
+    /// In sequence for `version`, its payload the one the sender hashed, its tensor table
+    /// within the payload; the reason it is corrupt otherwise.
+    fn check(&self, expected_index: u32, version: u64) -> Result<(), String> {
+        let header = self.header;
+        if header.version != version
+            || header.index != expected_index
+            || header.count == 0
+            || (self.more != (header.index + 1 < header.count))
+        {
+            return Err(format!(
+                "out of sequence (version {}, bucket {} of {})",
+                header.version, header.index, header.count
+            ));
+        }
+        if self.checksum != header.checksum {
+            return Err(format!(
+                "checksum {}, the sender computed {}",
+                self.checksum, header.checksum
+            ));
+        }
+        header
+            .tensors
+            .validate(self.payload_len)
+            .map_err(|err| err.to_string())
+    }
+}
+
+fn corrupt(version: u64, index: u32, source_name: &str, reason: String) -> WeightsError {
+    WeightsError::Corrupt {
+        version,
+        index,
+        source_name: source_name.to_owned(),
+        reason,
     }
 }
 

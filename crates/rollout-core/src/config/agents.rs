@@ -56,32 +56,47 @@ impl Config {
 
 /// What a multi-agent run needs and what it cannot combine with.
 pub(super) fn validate_agents(loaded: &LoadedConfig) -> Result<(), ConfigError> {
-    let config = &loaded.config;
-    if !config.multi_agent() {
+    if !loaded.config.multi_agent() {
         return Ok(());
     }
-    let at =
-        |path: &str, message: &str| Err(loaded.error_at(&KeyPath::parse_dotted(path), message));
-    for (name, agent) in &config.agents {
-        let key = KeyPath::default().key("agents").key(name);
-        let valid_name = name.chars().next().is_some_and(|c| c.is_ascii_lowercase())
-            && name
-                .chars()
-                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
-        if !valid_name {
-            return Err(loaded.error_at(
-                &key,
-                format!("agent name `{name}`: use lowercase letters, digits and `_`, starting with a letter"),
-            ));
-        }
-        if let Some(rate) = agent.learning_rate {
-            if !(rate.is_finite() && rate > 0.0) {
-                return Err(
-                    loaded.error_at(&key.key("learning_rate"), "must be a finite number > 0")
-                );
-            }
+    for (name, agent) in &loaded.config.agents {
+        validate_agent(loaded, name, agent)?;
+    }
+    validate_team_run(loaded)
+}
+
+/// One `[agents.<name>]` table: its name and its own learning rate.
+fn validate_agent(
+    loaded: &LoadedConfig,
+    name: &str,
+    agent: &AgentConfig,
+) -> Result<(), ConfigError> {
+    let key = KeyPath::default().key("agents").key(name);
+    let valid_name = name.chars().next().is_some_and(|c| c.is_ascii_lowercase())
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+    if !valid_name {
+        return Err(loaded.error_at(
+            &key,
+            format!(
+                "agent name `{name}`: use lowercase letters, digits and `_`, starting with a letter"
+            ),
+        ));
+    }
+    if let Some(rate) = agent.learning_rate {
+        if !(rate.is_finite() && rate > 0.0) {
+            return Err(loaded.error_at(&key.key("learning_rate"), "must be a finite number > 0"));
         }
     }
+    Ok(())
+}
+
+/// The rest of the config, as a multi-agent run needs it.
+fn validate_team_run(loaded: &LoadedConfig) -> Result<(), ConfigError> {
+    let config = &loaded.config;
+    let at =
+        |path: &str, message: &str| Err(loaded.error_at(&KeyPath::parse_dotted(path), message));
     if config.environment.is_none() {
         return at(
             "agents",
