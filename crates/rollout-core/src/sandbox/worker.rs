@@ -101,36 +101,7 @@ impl SandboxWorker {
         init: &str,
         timeout: Duration,
     ) -> Result<Self, SandboxError> {
-        let inherited = launch
-            .inherit
-            .iter()
-            .filter_map(|name| std::env::var_os(name).map(|value| (name, value)));
-        let mut child = Command::new(&launch.program)
-            .args(&launch.args)
-            .env_clear()
-            .envs(inherited)
-            .envs(launch.env.iter().map(|(k, v)| (k, v)))
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .process_group(0)
-            .kill_on_drop(true)
-            .spawn()
-            .map_err(|source| SandboxError::Spawn {
-                program: launch.program.display().to_string(),
-                source,
-            })?;
-        let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
-            return Err(SandboxError::Protocol(
-                "the worker has no stdin/stdout".into(),
-            ));
-        };
-        let mut worker = SandboxWorker {
-            child,
-            stdin,
-            stdout: BufReader::new(stdout),
-            next_id: 0,
-        };
+        let mut worker = Self::spawn(launch)?;
         match tokio::time::timeout(timeout, worker.exchange(init)).await {
             Err(_) => {
                 worker.kill().await;
@@ -163,6 +134,41 @@ impl SandboxWorker {
                 })
             }
         }
+    }
+
+    /// The worker's process, in its own process group, with only the environment `launch`
+    /// passes on.
+    fn spawn(launch: &Launch) -> Result<Self, SandboxError> {
+        let inherited = launch
+            .inherit
+            .iter()
+            .filter_map(|name| std::env::var_os(name).map(|value| (name, value)));
+        let mut child = Command::new(&launch.program)
+            .args(&launch.args)
+            .env_clear()
+            .envs(inherited)
+            .envs(launch.env.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .process_group(0)
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|source| SandboxError::Spawn {
+                program: launch.program.display().to_string(),
+                source,
+            })?;
+        let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
+            return Err(SandboxError::Protocol(
+                "the worker has no stdin/stdout".into(),
+            ));
+        };
+        Ok(SandboxWorker {
+            child,
+            stdin,
+            stdout: BufReader::new(stdout),
+            next_id: 0,
+        })
     }
 
     /// Scores `sample` with every reward, within `timeout`.

@@ -3,7 +3,7 @@
 
 use super::EngineError;
 use super::config::Speculation;
-use super::sequence::{SeqId, SeqSlab};
+use super::sequence::{SeqId, SeqSlab, Sequence};
 
 /// The splitmix64 finaliser: a bijective, well-mixing `u64` hash.
 fn splitmix64(x: u64) -> u64 {
@@ -114,9 +114,6 @@ impl StepPlan {
 
     /// Fills the arrays from the scheduling decision.
     pub(super) fn build(&mut self, slab: &SeqSlab, block_size: usize, speculation: Speculation) {
-        let num_tokens = self.num_tokens();
-        let num_rows = self.num_rows();
-        let num_seqs = self.seqs.len();
         self.max_drafts = self.seqs.iter().map(|s| s.num_drafts).max().unwrap_or(0);
         self.context_width = self
             .seqs
@@ -125,66 +122,83 @@ impl StepPlan {
             .max()
             .unwrap_or(0);
         self.draft_with_model = matches!(speculation, Speculation::DraftModel { .. });
-        let width = self.context_width;
-        let k1 = self.max_drafts + 1;
+        self.reserve_arrays();
+        self.query_start.push(0);
+        // Taken out while the arrays grow, so that each sequence's part can borrow the plan.
+        let seqs = std::mem::take(&mut self.seqs);
+        for (s, sched) in seqs.iter().enumerate() {
+            let Some(seq) = slab.get(sched.seq) else {
+                // Every scheduled sequence is live while its plan is built.
+                debug_assert!(false, "scheduled sequence {:?} is gone", sched.seq);
+                continue;
+            };
+            self.push_queries(s, sched, seq, block_size);
+            self.push_rows(s, sched, seq);
+        }
+        self.seqs = seqs;
+    }
 
+    fn reserve_arrays(&mut self) {
+        let (num_tokens, num_rows, num_seqs) =
+            (self.num_tokens(), self.num_rows(), self.seqs.len());
         self.input_ids.reserve(num_tokens);
         self.positions.reserve(num_tokens);
         self.slot_mapping.reserve(num_tokens);
         self.query_start.reserve(num_seqs + 1);
-        self.context_slots.reserve(num_seqs * width);
+        self.context_slots.reserve(num_seqs * self.context_width);
         self.context_lens.reserve(num_seqs);
         self.sample_seq.reserve(num_rows);
         self.draft_lens.reserve(num_rows);
         self.temperature.reserve(num_rows);
         self.top_p.reserve(num_rows);
         self.top_k.reserve(num_rows);
-        self.uniforms.reserve(num_rows * k1 * PURPOSES);
-        self.query_start.push(0);
+        self.uniforms
+            .reserve(num_rows * (self.max_drafts + 1) * PURPOSES);
+    }
 
-        for (s, sched) in self.seqs.iter().enumerate() {
-            let Some(seq) = slab.get(sched.seq) else {
-                // Every scheduled sequence is live while its plan is built.
-                debug_assert!(false, "scheduled sequence {:?} is gone", sched.seq);
-                continue;
+    /// Sequence `s`'s query tokens (known tokens, then its drafts or placeholders for the
+    /// draft model's), their cache slots, and its whole context's slots as row `s`.
+    fn push_queries(&mut self, s: usize, sched: &Scheduled, seq: &Sequence, block_size: usize) {
+        let end = sched.start + sched.num_query;
+        let fed = end - sched.num_drafts;
+        for pos in sched.start..end {
+            let token = if pos < fed {
+                i64::from(seq.tokens[pos])
+            } else if self.draft_with_model {
+                -1
+            } else {
+                i64::from(self.drafts[sched.drafts_at + pos - fed])
             };
-            let end = sched.start + sched.num_query;
-            let fed = end - sched.num_drafts;
-            for pos in sched.start..end {
-                let token = if pos < fed {
-                    i64::from(seq.tokens[pos])
-                } else if self.draft_with_model {
-                    -1
-                } else {
-                    i64::from(self.drafts[sched.drafts_at + pos - fed])
-                };
-                self.input_ids.push(token);
-                self.positions.push(pos as i64);
-                self.slot_mapping.push(seq.slot(pos, block_size) as i64);
-            }
-            self.query_start.push(self.input_ids.len() as i64);
-            self.context_lens.push(end as i64);
-            let row = s * width;
-            for (b, &block) in seq.blocks.iter().enumerate().take(end.div_ceil(block_size)) {
-                let base = block as usize * block_size;
-                let take = (end - b * block_size).min(block_size);
-                self.context_slots
-                    .extend((base..base + take).map(|slot| slot as i64));
-            }
-            self.context_slots.resize(row + width, 0);
-            let params = &seq.request.params;
-            let generated = seq.generated() as u64;
-            for r in sched.first_row..sched.first_row + sched.num_rows {
-                let seed = seq.request.seeds[self.row_samples[r]];
-                self.sample_seq.push(s as i64);
-                self.draft_lens.push(sched.num_drafts as i64);
-                self.temperature.push(params.temperature);
-                self.top_p.push(params.top_p);
-                self.top_k.push(i64::from(params.top_k));
-                for j in 0..k1 as u64 {
-                    for purpose in 0..PURPOSES as u64 {
-                        self.uniforms.push(uniform(seed, generated + j, purpose));
-                    }
+            self.input_ids.push(token);
+            self.positions.push(pos as i64);
+            self.slot_mapping.push(seq.slot(pos, block_size) as i64);
+        }
+        self.query_start.push(self.input_ids.len() as i64);
+        self.context_lens.push(end as i64);
+        for (b, &block) in seq.blocks.iter().enumerate().take(end.div_ceil(block_size)) {
+            let base = block as usize * block_size;
+            let take = (end - b * block_size).min(block_size);
+            self.context_slots
+                .extend((base..base + take).map(|slot| slot as i64));
+        }
+        self.context_slots.resize((s + 1) * self.context_width, 0);
+    }
+
+    /// Sequence `s`'s output rows: their sampling parameters and random numbers, which
+    /// depend only on the sample's seed and position.
+    fn push_rows(&mut self, s: usize, sched: &Scheduled, seq: &Sequence) {
+        let params = &seq.request.params;
+        let generated = seq.generated() as u64;
+        for r in sched.first_row..sched.first_row + sched.num_rows {
+            let seed = seq.request.seeds[self.row_samples[r]];
+            self.sample_seq.push(s as i64);
+            self.draft_lens.push(sched.num_drafts as i64);
+            self.temperature.push(params.temperature);
+            self.top_p.push(params.top_p);
+            self.top_k.push(i64::from(params.top_k));
+            for j in 0..=self.max_drafts as u64 {
+                for purpose in 0..PURPOSES as u64 {
+                    self.uniforms.push(uniform(seed, generated + j, purpose));
                 }
             }
         }

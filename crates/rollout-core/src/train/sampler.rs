@@ -29,6 +29,7 @@ mod episodes;
 pub(super) type GeneratorMetrics = std::collections::BTreeMap<String, f64>;
 
 /// A step's samples with their rewards and advantages.
+#[derive(Default)]
 pub(super) struct Collected {
     /// The record of each group sampled, in group order (with dynamic sampling, the
     /// groups kept).
@@ -177,14 +178,7 @@ impl<'a> Sampler<'a> {
                 samples = trajectories.len()
             ))
             .await?;
-        let rewards: Vec<f64> = trajectories
-            .iter()
-            .zip(&totals)
-            .map(|(trajectory, total)| {
-                total + trajectory.env_return
-                    - overlong_penalty(trajectory.generated_tokens(), self.config)
-            })
-            .collect();
+        let rewards = self.rewards(&trajectories, &totals);
         let score_seconds = scoring.elapsed().as_secs_f64();
         Ok(Collected {
             records: records.to_vec(),
@@ -192,17 +186,25 @@ impl<'a> Sampler<'a> {
             completions,
             rewards,
             components,
-            advantages: Vec::new(),
             failures,
-            zero_std_groups: 0,
-            refilled_groups: 0,
-            refill_rounds: 0,
-            stale_groups_regenerated: 0,
-            stale_groups_dropped: 0,
             generate_seconds,
             score_seconds,
             generator_metrics,
+            ..Collected::default()
         })
+    }
+
+    /// Each sample's reward: the reward functions' total, the episode's own return, less
+    /// the overlong penalty.
+    fn rewards(&self, trajectories: &[Trajectory], totals: &[f64]) -> Vec<f64> {
+        trajectories
+            .iter()
+            .zip(totals)
+            .map(|(trajectory, total)| {
+                total + trajectory.env_return
+                    - overlong_penalty(trajectory.generated_tokens(), self.config)
+            })
+            .collect()
     }
 
     /// The advantages of the collected samples, groups numbered in order of appearance.

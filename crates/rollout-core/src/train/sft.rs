@@ -32,42 +32,9 @@ impl<'a> Controller<'a> {
         );
         let report_every = (sft.steps / 10).max(1);
         while self.state.sft_step < sft.steps && !self.stopping() {
-            let started = Instant::now();
-            let sequences: Vec<TrainSequence> = cursor
-                .take(sft.batch_size)
-                .into_iter()
-                .map(|index| supervised_sequence(&sampler.prompt_ids[index], &completions[index]))
-                .collect();
-            let (batches, packing) = micro_batches(
-                &sequences,
-                &Objective::Sft,
-                self.config.train.micro_batch_tokens,
-                false,
-            );
-            let mut response = sampler
-                .roles
-                .learner
-                .train(TrainRequest {
-                    micro_batches: batches,
-                    learning_rate: sft.learning_rate,
-                    epochs: 1,
-                })
-                .instrument(tracing::info_span!(
-                    "sft.step",
-                    step = self.state.sft_step + 1
-                ))
+            let line = self
+                .supervised_step(sampler, sft, &completions, &mut cursor)
                 .await?;
-            self.state.sft_step += 1;
-            self.state.sft_data = cursor.position();
-            self.state.weight_version = response.weight_version;
-            let line = WarmStartMetrics {
-                sft_step: self.state.sft_step,
-                weight_version: response.weight_version,
-                tokens: packing.real_tokens as u64,
-                step_seconds: started.elapsed().as_secs_f64(),
-                loss: response.metrics.remove("loss"),
-                measured: response.metrics,
-            };
             log.append(&line)
                 .map_err(|source| io_error("cannot write", &log_path, source))?;
             if self.state.sft_step % report_every == 0 || self.state.sft_step == sft.steps {
@@ -80,5 +47,51 @@ impl<'a> Controller<'a> {
             }
         }
         Ok(())
+    }
+
+    /// One optimizer step on the cursor's next batch of (prompt, completion) pairs.
+    async fn supervised_step(
+        &mut self,
+        sampler: &Sampler<'a>,
+        sft: &SftConfig,
+        completions: &[Vec<u32>],
+        cursor: &mut DataCursor,
+    ) -> Result<WarmStartMetrics, RunError> {
+        let started = Instant::now();
+        let sequences: Vec<TrainSequence> = cursor
+            .take(sft.batch_size)
+            .into_iter()
+            .map(|index| supervised_sequence(&sampler.prompt_ids[index], &completions[index]))
+            .collect();
+        let (batches, packing) = micro_batches(
+            &sequences,
+            &Objective::Sft,
+            self.config.train.micro_batch_tokens,
+            false,
+        );
+        let mut response = sampler
+            .roles
+            .learner
+            .train(TrainRequest {
+                micro_batches: batches,
+                learning_rate: sft.learning_rate,
+                epochs: 1,
+            })
+            .instrument(tracing::info_span!(
+                "sft.step",
+                step = self.state.sft_step + 1
+            ))
+            .await?;
+        self.state.sft_step += 1;
+        self.state.sft_data = cursor.position();
+        self.state.weight_version = response.weight_version;
+        Ok(WarmStartMetrics {
+            sft_step: self.state.sft_step,
+            weight_version: response.weight_version,
+            tokens: packing.real_tokens as u64,
+            step_seconds: started.elapsed().as_secs_f64(),
+            loss: response.metrics.remove("loss"),
+            measured: response.metrics,
+        })
     }
 }

@@ -8,7 +8,9 @@ use pyo3::types::{PyDict, PyList};
 use rollout_core::config::{KeyPath, LoadedConfig, PluginConfig};
 use rollout_core::scheduler::{StepOutput, StepPlan};
 use rollout_core::train::SnapshotFiles;
-use rollout_net::messages::{Completion, FinishReason, GenerateRequest, GenerateResponse};
+use rollout_net::messages::{
+    Completion, FinishReason, GenerateRequest, GenerateResponse, PromptRequest,
+};
 
 use super::{PluginError, PluginLoadError, PluginRef};
 use crate::contract::{
@@ -127,7 +129,6 @@ impl PolicyPlugin {
         weight_version: u64,
     ) -> Result<GenerateResponse, PluginError> {
         let hook = "generate";
-        let sampling = &request.sampling;
         let (requests, params) = self
             .generation_args(py, request)
             .map_err(|err| self.plugin.raised(py, hook, &err))?;
@@ -148,41 +149,7 @@ impl PolicyPlugin {
         }
         let mut out = Vec::with_capacity(groups.len());
         for (group, prompt) in groups.iter().zip(&request.prompts) {
-            let group = group.cast::<PyList>().map_err(|_| {
-                self.plugin
-                    .bad_return(hook, "each group must be a list of Generation")
-            })?;
-            if group.len() != prompt.n as usize {
-                return Err(self.plugin.bad_return(
-                    hook,
-                    format!(
-                        "returned {} completions for a request with n={}",
-                        group.len(),
-                        prompt.n
-                    ),
-                ));
-            }
-            let completions = group
-                .iter()
-                .enumerate()
-                .map(|(sample, generation)| {
-                    let mut completion =
-                        self.completion(&generation, request.longest_budget(), weight_version)?;
-                    let budget = prompt
-                        .max_new_tokens
-                        .get(sample)
-                        .copied()
-                        .unwrap_or(sampling.max_new_tokens)
-                        as usize;
-                    if completion.token_ids.len() > budget {
-                        completion.token_ids.truncate(budget);
-                        completion.logprobs.truncate(budget);
-                        completion.finish_reason = FinishReason::Length;
-                    }
-                    Ok(completion)
-                })
-                .collect::<Result<Vec<_>, PluginError>>()?;
-            out.push(completions);
+            out.push(self.group_completions(&group, prompt, request, weight_version)?);
         }
         Ok(GenerateResponse {
             groups: out,
@@ -201,6 +168,51 @@ impl PolicyPlugin {
             requests.append(to_python(py, GenerationRequest::from(prompt))?)?;
         }
         Ok((requests, params))
+    }
+
+    /// One prompt's list of `Generation`s, each cut to its sample's token budget.
+    fn group_completions(
+        &self,
+        group: &Bound<'_, PyAny>,
+        prompt: &PromptRequest,
+        request: &GenerateRequest,
+        weight_version: u64,
+    ) -> Result<Vec<Completion>, PluginError> {
+        let hook = "generate";
+        let group = group.cast::<PyList>().map_err(|_| {
+            self.plugin
+                .bad_return(hook, "each group must be a list of Generation")
+        })?;
+        if group.len() != prompt.n as usize {
+            return Err(self.plugin.bad_return(
+                hook,
+                format!(
+                    "returned {} completions for a request with n={}",
+                    group.len(),
+                    prompt.n
+                ),
+            ));
+        }
+        group
+            .iter()
+            .enumerate()
+            .map(|(sample, generation)| {
+                let mut completion =
+                    self.completion(&generation, request.longest_budget(), weight_version)?;
+                let budget = prompt
+                    .max_new_tokens
+                    .get(sample)
+                    .copied()
+                    .unwrap_or(request.sampling.max_new_tokens)
+                    as usize;
+                if completion.token_ids.len() > budget {
+                    completion.token_ids.truncate(budget);
+                    completion.logprobs.truncate(budget);
+                    completion.finish_reason = FinishReason::Length;
+                }
+                Ok(completion)
+            })
+            .collect()
     }
 
     fn completion(

@@ -3,10 +3,10 @@
 
 use std::time::Instant;
 
-use rollout_net::messages::{FinishReason, GenerateRequest, GroupRef, PromptRequest};
+use rollout_net::messages::{Completion, FinishReason, GenerateRequest, GroupRef, PromptRequest};
 
 use crate::config::Config;
-use crate::roles::{AgentTurn, EpisodeStart, RoleError};
+use crate::roles::{AgentTurn, EpisodeStart, JointOutcome, RoleError};
 use crate::seeds::mix;
 use crate::train::RunError;
 use crate::train::sampler::sampling_params;
@@ -97,7 +97,12 @@ async fn play_turns(
         if pending.is_empty() {
             break;
         }
-        let turn_seed = mix(seed, 1 + u64::from(turn));
+        let round = Round {
+            step,
+            turn,
+            seed: mix(seed, 1 + u64::from(turn)),
+            episodes: ids.len(),
+        };
         let generating = Instant::now();
         let generated = futures_util::future::try_join_all(team.agents.iter().enumerate().map(
             |(agent, member)| {
@@ -106,16 +111,7 @@ async fn play_turns(
                     .filter(|(_, t)| t.agent == member.name)
                     .map(|(episode, t)| (*episode, t.prompt.clone()))
                     .collect();
-                generate_turns(
-                    config,
-                    member,
-                    agent,
-                    mine,
-                    step,
-                    turn,
-                    turn_seed,
-                    ids.len(),
-                )
+                generate_turns(config, member, agent, mine, &round)
             },
         ))
         .await?;
@@ -128,42 +124,57 @@ async fn play_turns(
         let stepping = Instant::now();
         let outcomes = team.environments.step(actions).await?;
         played.environment_seconds += stepping.elapsed().as_secs_f64();
-        if outcomes.len() != turns.len() {
-            return Err(RoleError::Protocol(format!(
-                "the environment answered {} of {} turns",
-                outcomes.len(),
-                turns.len()
-            ))
-            .into());
-        }
-        pending.clear();
-        for (taken, outcome) in turns.iter().zip(outcomes) {
-            played.acted[taken.episode][taken.agent] = true;
-            for (name, reward) in outcome.rewards {
-                played.returns[taken.episode][known(team, &name)?] += reward;
-            }
-            if let Some(next) = outcome.next {
-                known(team, &next.agent)?;
-                pending.push((taken.episode, next));
-            }
-        }
+        pending = take_outcomes(team, &turns, outcomes, played)?;
         played.turns.extend(turns);
     }
     played.truncated = pending.len();
     Ok(())
 }
 
+/// Credits each turn's rewards and returns the episodes' next turns.
+fn take_outcomes(
+    team: &Team<'_>,
+    turns: &[Turn],
+    outcomes: Vec<JointOutcome>,
+    played: &mut Played,
+) -> Result<Vec<(usize, AgentTurn)>, RunError> {
+    if outcomes.len() != turns.len() {
+        return Err(RoleError::Protocol(format!(
+            "the environment answered {} of {} turns",
+            outcomes.len(),
+            turns.len()
+        ))
+        .into());
+    }
+    let mut pending = Vec::new();
+    for (taken, outcome) in turns.iter().zip(outcomes) {
+        played.acted[taken.episode][taken.agent] = true;
+        for (name, reward) in outcome.rewards {
+            played.returns[taken.episode][known(team, &name)?] += reward;
+        }
+        if let Some(next) = outcome.next {
+            known(team, &next.agent)?;
+            pending.push((taken.episode, next));
+        }
+    }
+    Ok(pending)
+}
+
+/// One turn of every episode still running.
+struct Round {
+    step: u64,
+    turn: u32,
+    seed: u64,
+    episodes: usize,
+}
+
 /// Generates `agent`'s turns (`(episode, prompt)`) with its policy.
-#[allow(clippy::too_many_arguments)]
 async fn generate_turns(
     config: &Config,
     member: &Agent<'_>,
     agent: usize,
     turns: Vec<(usize, String)>,
-    step: u64,
-    turn: u32,
-    turn_seed: u64,
-    episodes: usize,
+    round: &Round,
 ) -> Result<Vec<Turn>, RunError> {
     if turns.is_empty() {
         return Ok(Vec::new());
@@ -178,14 +189,14 @@ async fn generate_turns(
                 prompt_ids: prompt_ids.clone(),
                 n: 1,
                 max_new_tokens: Vec::new(),
-                seed: Some(mix(turn_seed, *episode as u64)),
+                seed: Some(mix(round.seed, *episode as u64)),
                 group: Some(GroupRef {
-                    step,
-                    index: (turn as usize * episodes + episode) as u32,
+                    step: round.step,
+                    index: (round.turn as usize * round.episodes + episode) as u32,
                 }),
             })
             .collect(),
-        sampling: sampling_params(config, turn_seed),
+        sampling: sampling_params(config, round.seed),
     };
     let response = member.generator.generate(request).await?;
     let completions: Vec<_> = response.groups.into_iter().flatten().collect();
@@ -202,7 +213,18 @@ async fn generate_turns(
         .tokenizer
         .decode(completions.iter().map(|c| c.token_ids.clone()).collect())
         .await?;
-    Ok(turns
+    Ok(assemble_turns(agent, turns, encoded, completions, texts))
+}
+
+/// Each turn's whole sequence (its prompt, then the completion, which alone is trained on).
+fn assemble_turns(
+    agent: usize,
+    turns: Vec<(usize, String)>,
+    encoded: Vec<Vec<u32>>,
+    completions: Vec<Completion>,
+    texts: Vec<String>,
+) -> Vec<Turn> {
+    turns
         .into_iter()
         .zip(encoded)
         .zip(completions.into_iter().zip(texts))
@@ -223,7 +245,7 @@ async fn generate_turns(
                 finish_reason: completion.finish_reason,
             }
         })
-        .collect())
+        .collect()
 }
 
 /// The index of agent `name`, which the environment named: one of the run's agents.
