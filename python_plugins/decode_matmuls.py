@@ -9,9 +9,10 @@ engine steps of 2-7 rows took 1.4-1.7x less time, while steps of 8-64 rows were 
 slow as the product it replaces. The choice is a fixed rule, not a timing taken at start-up,
 so that two runs of one config on one host make the same floating-point roundings (exact
 resume, reproducible runs): weight first for at most :data:`WEIGHT_FIRST_MAX_ROWS` rows of a
-CPU matrix of at least :data:`WEIGHT_FIRST_MIN_ELEMENTS` elements. Smaller matrices are
-bound by per-operator cost, where the extra transposes only add to it. Only inside
-:func:`engine_forward`: training and every other forward pass keep ``nn.Linear``.
+float32 CPU matrix (the case measured) of at least :data:`WEIGHT_FIRST_MIN_ELEMENTS`
+elements. Smaller matrices are bound by per-operator cost, where the extra transposes only
+add to it. Only inside :func:`engine_forward`: training and every other forward pass keep
+``nn.Linear``.
 """
 
 from __future__ import annotations
@@ -84,7 +85,11 @@ def install_engine_matmuls(model: torch.nn.Module, mode: EngineMatmuls) -> int:
 
 
 def _large_host_matrix(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.numel() >= WEIGHT_FIRST_MIN_ELEMENTS
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and weight.numel() >= WEIGHT_FIRST_MIN_ELEMENTS
+    )
 
 
 def _forward(module: torch.nn.Linear, max_rows: int | None, x: torch.Tensor) -> torch.Tensor:

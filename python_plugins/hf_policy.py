@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoTokenizer, PreTrainedModel
 from transformers.utils import logging as transformers_logging
 
+from python_plugins.batch_generation import generate_batched
 from python_plugins.checkpoint_io import load_optimizer, model_files, optimizer_files, tokenizer_files
 from python_plugins.decode_matmuls import EngineMatmuls
 from python_plugins.engine_runner import EngineRunner
@@ -32,7 +33,6 @@ from python_plugins.model_setup import (
 )
 from python_plugins.output_head import OutputHead, output_head, sequence_logprobs
 from python_plugins.packing import Packing, plan_right_padded
-from python_plugins.sampling import select_tokens
 from python_plugins.sharded_checkpoint import is_sharded_checkpoint, load_state, state_files
 from python_plugins.sharding import check_shardable, gathered_on_rank0, shard_model
 from python_plugins.shared_prefix import plan_shared_prefixes, shared_prefix_logprobs
@@ -224,62 +224,20 @@ class HFCausalLM(Policy):
         if any(len(prompt) == 0 for prompt in prompts):
             raise ValueError("cannot generate from an empty prompt")
         self._set_training(False)
-        input_ids, attention_mask = self._left_padded(prompts)
-        positions = (attention_mask.cumsum(-1) - 1).clamp_min(0)
-        rows = len(prompts)
-        stop_ids = torch.tensor(
-            sorted({*self.eos_ids, *params.stop_token_ids}), dtype=torch.long, device=self.device
+        generations = generate_batched(
+            self.model,
+            prompts,
+            params,
+            pad_id=self.pad_id,
+            eos_ids=self.eos_ids,
+            device=self.device,
+            keeps_last_logits_only=self.keeps_last_logits_only,
         )
-        generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        tokens = torch.full((rows, params.max_new_tokens), self.pad_id, dtype=torch.long, device=self.device)
-        logprobs = torch.zeros((rows, params.max_new_tokens), dtype=torch.float32, device=self.device)
-        lengths = torch.zeros(rows, dtype=torch.long, device=self.device)
-        stopped = torch.zeros(rows, dtype=torch.bool, device=self.device)
-        cache = None
-        for step in range(params.max_new_tokens):
-            output = self.model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=positions,
-                past_key_values=cache,
-                use_cache=True,
-                **({"logits_to_keep": 1} if self.keeps_last_logits_only else {}),
-            )
-            cache = output.past_key_values
-            chosen, chosen_logprobs = select_tokens(output.logits[:, -1], params, generator)
-            active = ~stopped
-            chosen = torch.where(active, chosen, self.pad_id)
-            tokens[:, step] = chosen
-            logprobs[:, step] = chosen_logprobs
-            lengths += active.long()
-            stopped |= active & torch.isin(chosen, stop_ids)
-            if bool(stopped.all()):
-                break
-            input_ids = chosen.unsqueeze(-1)
-            positions = positions[:, -1:] + 1
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones((rows, 1))], dim=-1)
-        generations = [
-            Generation(
-                token_ids=tokens[row, :length].cpu().numpy().astype(np.int64),
-                logprobs=logprobs[row, :length].cpu().numpy().astype(np.float32),
-                finish_reason="stop" if bool(stopped[row]) else "length",
-            )
-            for row, length in enumerate(lengths.tolist())
-        ]
         groups: list[list[Generation]] = []
         for request in requests:
             groups.append(generations[: request.n])
             generations = generations[request.n :]
         return groups
-
-    def _left_padded(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        width = max(len(prompt) for prompt in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-            attention_mask[row, width - len(prompt) :] = 1
-        return input_ids.to(self.device), attention_mask.to(self.device)
 
     @torch.inference_mode()
     def logprobs(self, batch: TokenBatch) -> np.ndarray:

@@ -45,6 +45,7 @@ def test_auto_picks_large_host_matrices_and_few_rows_inside_the_engine_only(monk
     monkeypatch.setattr(decode_matmuls, "weight_first_linear", recorder)
     model = _model((512, 512), (512, 64), (64, 512))
     assert install_engine_matmuls(model, "auto") == 1  # the 512x64 and 64x512 ones are small
+    assert install_engine_matmuls(_model((512, 512)).to(torch.bfloat16), "auto") == 0
     big = model[0]
     few, many = torch.randn(3, 512), torch.randn(WEIGHT_FIRST_MAX_ROWS + 1, 512)
     big(few)  # outside the engine: nn.Linear
