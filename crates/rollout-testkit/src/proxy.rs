@@ -145,18 +145,23 @@ async fn forward(
     };
     let (up_bytes, down_bytes) = (up_bytes.into_inner(), down_bytes.into_inner());
     let totals = format!("{up_bytes} bytes client->upstream, {down_bytes} bytes upstream->client");
+    close(number, end, &downstream, &upstream, &totals);
+}
+
+/// Ends a forwarded connection as `end` says: a reset of both sides unless it closed.
+fn close(number: u64, end: End, downstream: &TcpStream, upstream: &TcpStream, totals: &str) {
     match end {
         End::Closed => log(format_args!("connection {number}: closed ({totals})")),
         End::Reset => {
-            reset(&downstream);
-            reset(&upstream);
+            reset(downstream);
+            reset(upstream);
             log(format_args!(
                 "connection {number}: RESET by --reset-after-bytes ({totals})"
             ));
         }
         End::Failed(err) => {
-            reset(&downstream);
-            reset(&upstream);
+            reset(downstream);
+            reset(upstream);
             log(format_args!(
                 "connection {number}: {err}; resetting both sides ({totals})"
             ));
@@ -184,6 +189,57 @@ async fn both(up: impl Future<Output = End>, down: impl Future<Output = End>) ->
         }
     }
     End::Closed
+}
+
+/// One direction's writing side, applying the fault schedule's actions to each chunk.
+struct Sending<'a, W> {
+    direction: Direction,
+    writer: &'a mut W,
+    pacer: Option<&'a mut Pacer>,
+    forwarded: &'a AtomicU64,
+}
+
+impl<W: AsyncWrite + Unpin> Sending<'_, W> {
+    /// Forwards, corrupts or stalls `chunk` as `actions` say; how the connection ends if it
+    /// does.
+    async fn chunk(&mut self, mut chunk: Vec<u8>, actions: Vec<Action>) -> Option<End> {
+        let direction = self.direction;
+        let chunk_start = self.forwarded.load(Ordering::Relaxed);
+        for action in actions {
+            match action {
+                Action::Forward(range) => {
+                    if let Some(pacer) = self.pacer.as_mut() {
+                        let at = pacer.reserve(Instant::now(), range.len());
+                        tokio::time::sleep_until(at.into()).await;
+                    }
+                    let bytes = range.len() as u64;
+                    if let Err(err) = self.writer.write_all(&chunk[range]).await {
+                        return Some(End::Failed(err));
+                    }
+                    self.forwarded.fetch_add(bytes, Ordering::Relaxed);
+                }
+                Action::Flip(at) => {
+                    log(format_args!(
+                        "flipping byte {} {direction}",
+                        chunk_start + at as u64
+                    ));
+                    if let Some(byte) = chunk.get_mut(at) {
+                        *byte ^= 0xFF;
+                    }
+                }
+                Action::Stall(pause) => {
+                    log(format_args!(
+                        "stalling {direction} for {} ms after {} bytes",
+                        pause.as_millis(),
+                        self.forwarded.load(Ordering::Relaxed)
+                    ));
+                    tokio::time::sleep(pause).await;
+                }
+                Action::Reset => return Some(End::Reset),
+            }
+        }
+        None
+    }
 }
 
 /// Forwards one direction of a connection until it ends.
@@ -221,45 +277,20 @@ where
     };
     let write = async {
         let mut pacer = config.bytes_per_sec.map(Pacer::new);
-        while let Some((due, mut chunk)) = queue.recv().await {
+        while let Some((due, chunk)) = queue.recv().await {
             tokio::time::sleep_until(due).await;
             let actions = schedule
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
                 .plan(direction, chunk.len());
-            let chunk_start = forwarded.load(Ordering::Relaxed);
-            for action in actions {
-                match action {
-                    Action::Forward(range) => {
-                        if let Some(pacer) = pacer.as_mut() {
-                            let at = pacer.reserve(Instant::now(), range.len());
-                            tokio::time::sleep_until(at.into()).await;
-                        }
-                        let bytes = range.len() as u64;
-                        if let Err(err) = writer.write_all(&chunk[range]).await {
-                            return End::Failed(err);
-                        }
-                        forwarded.fetch_add(bytes, Ordering::Relaxed);
-                    }
-                    Action::Flip(at) => {
-                        log(format_args!(
-                            "flipping byte {} {direction}",
-                            chunk_start + at as u64
-                        ));
-                        if let Some(byte) = chunk.get_mut(at) {
-                            *byte ^= 0xFF;
-                        }
-                    }
-                    Action::Stall(pause) => {
-                        log(format_args!(
-                            "stalling {direction} for {} ms after {} bytes",
-                            pause.as_millis(),
-                            forwarded.load(Ordering::Relaxed)
-                        ));
-                        tokio::time::sleep(pause).await;
-                    }
-                    Action::Reset => return End::Reset,
-                }
+            let mut sending = Sending {
+                direction,
+                writer: &mut writer,
+                pacer: pacer.as_mut(),
+                forwarded,
+            };
+            if let Some(end) = sending.chunk(chunk, actions).await {
+                return end;
             }
         }
         // The other side may already be gone: that is the other direction's story.
