@@ -370,7 +370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = collect_results(args, argv, plan, measured_axes, floor, started, load_before)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
-    plot(results, PLOT)
+    plotted = plot(results, PLOT)
     if not args.no_docs:
         write_docs(results)
     summary = {
@@ -383,7 +383,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for axis, data in results["axes"].items()
     }
     print(json.dumps({"wall_seconds": results["wall_seconds"], "exponents": summary}, indent=2))
-    print(f"wrote {RESULTS.relative_to(REPO)}, {PLOT.relative_to(REPO)}", flush=True)
+    written = [RESULTS] + ([PLOT] if plotted else [])
+    print("wrote " + ", ".join(str(path.relative_to(REPO)) for path in written), flush=True)
     return 0
 
 

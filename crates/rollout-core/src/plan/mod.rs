@@ -137,10 +137,7 @@ pub fn plan(loaded: &LoadedConfig, mode: Mode, limit_gb: Option<f64>) -> Result<
     let options = PolicyOptions::read(loaded, cuda)?;
     let shape = read_model(loaded, &options.model_path, "model_path")?;
     let algorithm = config.algorithm.name;
-    let limit = limit_gb
-        .or((config.run.memory_limit_gb > 0.0).then_some(config.run.memory_limit_gb))
-        .filter(|gb| gb.is_finite() && *gb > 0.0)
-        .map(|gb| (gb * 1e9) as u64);
+    let limit = memory_limit(limit_gb, config.run.memory_limit_gb);
     let host = host_available_bytes();
     let inputs = gather_inputs(loaded, &options, &shape, algorithm, cuda, host, limit)?;
     let mut roles = match mode {
@@ -172,7 +169,26 @@ pub fn plan(loaded: &LoadedConfig, mode: Mode, limit_gb: Option<f64>) -> Result<
             Mode::Run => "run",
             Mode::Launch { .. } => "launch",
         },
-        model: ModelSummary {
+        model: ModelSummary::of(&options, &shape, &inputs),
+        workload: Workload::of(config, &shape, inputs.samples, 1),
+        algorithm: algorithm_name(algorithm),
+        roles: role_plans,
+        devices,
+        notes,
+    })
+}
+
+/// The memory limit in bytes: `--memory-limit` if given, else `run.memory_limit_gb` if set.
+fn memory_limit(flag_gb: Option<f64>, configured_gb: f64) -> Option<u64> {
+    flag_gb
+        .or((configured_gb > 0.0).then_some(configured_gb))
+        .filter(|gb| gb.is_finite() && *gb > 0.0)
+        .map(|gb| (gb * 1e9) as u64)
+}
+
+impl ModelSummary {
+    fn of(options: &PolicyOptions, shape: &ModelShape, inputs: &Inputs<'_>) -> Self {
+        ModelSummary {
             path: options.model_path.clone(),
             model_type: shape.model_type.clone(),
             architecture: shape.architecture,
@@ -182,13 +198,8 @@ pub fn plan(loaded: &LoadedConfig, mode: Mode, limit_gb: Option<f64>) -> Result<
             device: options.device.to_string(),
             lora_rank: options.lora.as_ref().map_or(0, |l| l.rank),
             quantization: options.quantization,
-        },
-        workload: Workload::of(config, &shape, inputs.samples, 1),
-        algorithm: algorithm_name(algorithm),
-        roles: role_plans,
-        devices,
-        notes,
-    })
+        }
+    }
 }
 
 /// A multi-agent run holds one policy per agent: every agent after the first (which the

@@ -256,14 +256,29 @@ impl BlockPool {
     /// to block `b` that the sequences hold.
     #[cfg(test)]
     pub(super) fn check(&self, holders: &[u32]) -> Result<(), String> {
-        let n = self.num_blocks();
         if holders != self.refcount.as_slice() {
             return Err(format!(
                 "refcounts {:?} != holders {holders:?}",
                 self.refcount
             ));
         }
-        let mut seen = vec![false; n];
+        self.check_unheld()?;
+        self.check_cache()?;
+        let live: usize = (0..self.num_blocks())
+            .filter(|&b| self.refcount[b] > 0)
+            .map(|b| self.fill[b] as usize)
+            .sum();
+        if live != self.live_slots {
+            return Err(format!("live slots {} != recount {live}", self.live_slots));
+        }
+        Ok(())
+    }
+
+    /// Every block nobody holds is either free (unhashed) or evictable (hashed, in the LRU
+    /// list), never both, and the list's length is the evictable count.
+    #[cfg(test)]
+    fn check_unheld(&self) -> Result<(), String> {
+        let mut seen = vec![false; self.num_blocks()];
         for &b in &self.free {
             if std::mem::replace(&mut seen[b as usize], true) {
                 return Err(format!("block {b} twice on the free list"));
@@ -291,7 +306,7 @@ impl BlockPool {
                 self.evictable
             ));
         }
-        let unaccounted = (0..n)
+        let unaccounted = (0..self.num_blocks())
             .filter(|&b| !seen[b] && self.refcount[b] == 0)
             .count();
         if unaccounted != 0 {
@@ -299,6 +314,12 @@ impl BlockPool {
                 "{unaccounted} blocks are neither held, free nor evictable"
             ));
         }
+        Ok(())
+    }
+
+    /// Every cache entry names a fully written block carrying its hash, and only those do.
+    #[cfg(test)]
+    fn check_cache(&self) -> Result<(), String> {
         for (&hash, &block) in &self.cached {
             if self.hash[block as usize] != Some(hash) {
                 return Err(format!(
@@ -311,13 +332,6 @@ impl BlockPool {
         }
         if self.hash.iter().flatten().count() != self.cached.len() {
             return Err("hashed blocks and cache entries differ".into());
-        }
-        let live: usize = (0..n)
-            .filter(|&b| self.refcount[b] > 0)
-            .map(|b| self.fill[b] as usize)
-            .sum();
-        if live != self.live_slots {
-            return Err(format!("live slots {} != recount {live}", self.live_slots));
         }
         Ok(())
     }

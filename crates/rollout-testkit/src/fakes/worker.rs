@@ -1,6 +1,7 @@
 //! A generation worker without a model that answers over a real authenticated link, for
 //! tests of the generation pool and the controller capacity benchmark.
 
+use std::ops::ControlFlow;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -120,77 +121,100 @@ pub async fn serve(
         return;
     }
     let mut server = link.server();
-    let mut held = Vec::new();
-    let mut version = 0;
-    let mut released = false;
-    let mut unsealed = None;
+    let mut worker = FakeWorker {
+        behaviour,
+        answer,
+        held: Vec::new(),
+        version: 0,
+        released: false,
+        unsealed: None,
+    };
     while let Some(incoming) = server.requests.recv().await {
-        if incoming.frame.kind == MessageKind::GeneratorMemory {
-            let answered = match incoming.decode::<GeneratorMemory>() {
-                Ok(action) => {
-                    released = action == GeneratorMemory::Release;
-                    server
-                        .responder
-                        .reply(incoming.call, &Done {}, Bytes::new(), false)
-                }
-                Err(err) => server.responder.fail(incoming.call, err.to_string()),
-            };
-            if answered.is_err() {
-                return;
+        if worker.handle(&server.responder, incoming).is_break() {
+            return;
+        }
+    }
+}
+
+/// What a fake worker remembers between requests.
+struct FakeWorker {
+    behaviour: Behaviour,
+    answer: Answer,
+    /// Requests a [`Behaviour::Hangs`] worker never answers (kept so they stay open).
+    held: Vec<Incoming>,
+    /// The weight version its completions carry.
+    version: u64,
+    released: bool,
+    unsealed: Option<u64>,
+}
+
+impl FakeWorker {
+    /// Serves one request; breaks when the connection should close.
+    fn handle(&mut self, responder: &Responder, incoming: Incoming) -> ControlFlow<()> {
+        match incoming.frame.kind {
+            MessageKind::GeneratorMemory => return self.memory(responder, &incoming),
+            _ if self.released => {
+                let _ = responder.fail(incoming.call, "asked to work with its memory released");
             }
-            continue;
-        }
-        if released {
-            let _ = server
-                .responder
-                .fail(incoming.call, "asked to work with its memory released");
-            continue;
-        }
-        if matches!(
-            incoming.frame.kind,
-            MessageKind::SyncWeights | MessageKind::SealWeights
-        ) {
-            match sync_weights(&server.responder, &incoming, &mut unsealed) {
-                Ok(Some(synced)) => version = synced,
-                Ok(None) => {}
-                Err(_) => return,
-            }
-            continue;
-        }
-        if incoming.frame.kind != MessageKind::GenerateRequest {
-            let _ = server
-                .responder
-                .fail(incoming.call, "a fake worker only generates");
-            continue;
-        }
-        match behaviour {
-            Behaviour::DiesOnRequest | Behaviour::Leaves => return,
-            Behaviour::Hangs => held.push(incoming),
-            Behaviour::Healthy | Behaviour::Malformed(_) => {
-                let Ok(request) = incoming.decode::<GenerateRequest>() else {
-                    let _ = server
-                        .responder
-                        .fail(incoming.call, "not a GenerateRequest");
-                    continue;
-                };
-                let mut response = answer(&request);
-                for completion in response.groups.iter_mut().flatten() {
-                    completion.weight_version = version;
-                }
-                if let (Behaviour::Malformed(how), Some(first)) =
-                    (behaviour, response.groups.iter_mut().flatten().next())
-                {
-                    how.apply(first);
-                }
-                if server
-                    .responder
-                    .reply(incoming.call, &response, Bytes::new(), false)
-                    .is_err()
-                {
-                    return;
+            MessageKind::SyncWeights | MessageKind::SealWeights => {
+                match sync_weights(responder, &incoming, &mut self.unsealed) {
+                    Ok(Some(synced)) => self.version = synced,
+                    Ok(None) => {}
+                    Err(_) => return ControlFlow::Break(()),
                 }
             }
+            MessageKind::GenerateRequest => return self.generate(responder, incoming),
+            _ => {
+                let _ = responder.fail(incoming.call, "a fake worker only generates");
+            }
         }
+        ControlFlow::Continue(())
+    }
+
+    fn memory(&mut self, responder: &Responder, incoming: &Incoming) -> ControlFlow<()> {
+        let answered = match incoming.decode::<GeneratorMemory>() {
+            Ok(action) => {
+                self.released = action == GeneratorMemory::Release;
+                responder.reply(incoming.call, &Done {}, Bytes::new(), false)
+            }
+            Err(err) => responder.fail(incoming.call, err.to_string()),
+        };
+        if answered.is_err() {
+            return ControlFlow::Break(());
+        }
+        ControlFlow::Continue(())
+    }
+
+    fn generate(&mut self, responder: &Responder, incoming: Incoming) -> ControlFlow<()> {
+        let malformation = match self.behaviour {
+            Behaviour::DiesOnRequest | Behaviour::Leaves => return ControlFlow::Break(()),
+            Behaviour::Hangs => {
+                self.held.push(incoming);
+                return ControlFlow::Continue(());
+            }
+            Behaviour::Healthy => None,
+            Behaviour::Malformed(how) => Some(how),
+        };
+        let Ok(request) = incoming.decode::<GenerateRequest>() else {
+            let _ = responder.fail(incoming.call, "not a GenerateRequest");
+            return ControlFlow::Continue(());
+        };
+        let mut response = (self.answer)(&request);
+        for completion in response.groups.iter_mut().flatten() {
+            completion.weight_version = self.version;
+        }
+        if let (Some(how), Some(first)) =
+            (malformation, response.groups.iter_mut().flatten().next())
+        {
+            how.apply(first);
+        }
+        if responder
+            .reply(incoming.call, &response, Bytes::new(), false)
+            .is_err()
+        {
+            return ControlFlow::Break(());
+        }
+        ControlFlow::Continue(())
     }
 }
 
