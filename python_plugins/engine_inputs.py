@@ -8,6 +8,7 @@ checked on the host first, with messages that name the field and the offending e
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -39,7 +40,39 @@ def check_step(
 ) -> StepLayout:
     """Raise ``ValueError`` naming the first inconsistency of ``step``; else its layout."""
     input_ids = _ints("input_ids", step.input_ids, 1)
-    tokens = len(input_ids)
+    queries = _check_queries(step, len(input_ids), num_slots, max_positions)
+    sample_seq, draft_lens, max_drafts = _check_rows(step, queries.lens)
+
+    drafting = draft_lens > 0
+    sequence_draft_lens = np.zeros(len(queries.lens), dtype=np.int64)
+    sequence_draft_lens[sample_seq[drafting]] = draft_lens[drafting]
+    first_draft = queries.context_lens - sequence_draft_lens
+    is_draft = queries.context_index >= first_draft[queries.sequence_of_token]
+    _check_input_ids(input_ids, is_draft, vocab_size, step.draft_with_model, has_draft_model)
+
+    query_end = queries.start[sample_seq + 1]
+    offsets = np.arange(max_drafts + 1)
+    first_read = (query_end - draft_lens - 1)[:, None]
+    return StepLayout(
+        query_lens=queries.lens,
+        sequence_draft_lens=sequence_draft_lens,
+        logit_tokens=first_read + np.minimum(offsets, draft_lens[:, None]),
+        draft_tokens=np.minimum(first_read + 1 + offsets[:max_drafts], query_end[:, None] - 1),
+    )
+
+
+class _Queries(NamedTuple):
+    """A checked step's query tokens: per sequence, and where each token sits in its context."""
+
+    start: np.ndarray  # [S + 1]
+    lens: np.ndarray  # [S]
+    context_lens: np.ndarray  # [S]
+    sequence_of_token: np.ndarray  # [T]
+    context_index: np.ndarray  # [T]
+
+
+def _check_queries(step: EngineStep, tokens: int, num_slots: int, max_positions: int) -> _Queries:
+    """The sequences' queries, contexts, positions and slots (and the slot copies)."""
     query_start = _ints("query_start", step.query_start, 1)
     if tokens == 0 or len(query_start) < 2 or query_start[0] != 0 or query_start[-1] != tokens:
         raise ValueError(
@@ -51,13 +84,6 @@ def check_step(
     slot_mapping = _ints("slot_mapping", step.slot_mapping, 1, tokens)
     context_slots = _ints("context_slots", step.context_slots, 2, sequences)
     context_lens = _ints("context_lens", step.context_lens, 1, sequences)
-    sample_seq = _ints("sample_seq", step.sample_seq, 1)
-    rows = len(sample_seq)
-    draft_lens = _ints("draft_lens", step.draft_lens, 1, rows)
-    top_k = _ints("top_k", step.top_k, 1, rows)
-    temperature = _floats("temperature", step.temperature, 1, rows)
-    top_p = _floats("top_p", step.top_p, 1, rows)
-    uniforms = _floats("uniforms", step.uniforms, 3, rows)
     copy_from = _ints("copy_from", step.copy_from, 1)
     copy_to = _ints("copy_to", step.copy_to, 1, len(copy_from))
 
@@ -84,6 +110,22 @@ def check_step(
         slot_mapping == context_slots[sequence_of_token, context_index],
         "is not the context slot of the token's position",
     )
+    return _Queries(query_start, query_lens, context_lens, sequence_of_token, context_index)
+
+
+def _check_rows(step: EngineStep, query_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """The sampled rows: their sequences, drafts and sampling settings.
+
+    Returns ``sample_seq``, ``draft_lens`` and ``K``, the most drafts a row may verify.
+    """
+    sequences = len(query_lens)
+    sample_seq = _ints("sample_seq", step.sample_seq, 1)
+    rows = len(sample_seq)
+    draft_lens = _ints("draft_lens", step.draft_lens, 1, rows)
+    top_k = _ints("top_k", step.top_k, 1, rows)
+    temperature = _floats("temperature", step.temperature, 1, rows)
+    top_p = _floats("top_p", step.top_p, 1, rows)
+    uniforms = _floats("uniforms", step.uniforms, 3, rows)
 
     max_drafts = uniforms.shape[1] - 1
     if max_drafts < 0 or uniforms.shape[2] != 3:
@@ -97,33 +139,18 @@ def check_step(
         draft_lens < query_lens[sample_seq],
         "leaves no query token before the drafts",
     )
-    drafting = draft_lens > 0
     readers = np.bincount(sample_seq, minlength=sequences)
     _require(
         "sample_seq",
         sample_seq,
-        ~drafting | (readers[sample_seq] == 1),
+        (draft_lens == 0) | (readers[sample_seq] == 1),
         "is a sequence with drafts read by several rows",
     )
     _require("temperature", temperature, temperature >= 0, "is negative (0 is greedy)")
     _require("top_p", top_p, (top_p > 0) & (top_p <= 1), "is not in (0, 1]")
     _require("top_k", top_k, top_k >= 0, "is negative (0 disables)")
     _require("uniforms", uniforms, (uniforms >= 0) & (uniforms < 1), "is not in [0, 1)")
-
-    sequence_draft_lens = np.zeros(sequences, dtype=np.int64)
-    sequence_draft_lens[sample_seq[drafting]] = draft_lens[drafting]
-    is_draft = context_index >= (context_lens - sequence_draft_lens)[sequence_of_token]
-    _check_input_ids(input_ids, is_draft, vocab_size, step.draft_with_model, has_draft_model)
-
-    query_end = query_start[sample_seq + 1]
-    offsets = np.arange(max_drafts + 1)
-    first_read = (query_end - draft_lens - 1)[:, None]
-    return StepLayout(
-        query_lens=query_lens,
-        sequence_draft_lens=sequence_draft_lens,
-        logit_tokens=first_read + np.minimum(offsets, draft_lens[:, None]),
-        draft_tokens=np.minimum(first_read + 1 + offsets[:max_drafts], query_end[:, None] - 1),
-    )
+    return sample_seq, draft_lens, max_drafts
 
 
 def _check_input_ids(

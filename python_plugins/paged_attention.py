@@ -280,7 +280,6 @@ def paged_attention_forward(
 
     queries = query[0].transpose(0, 1)  # [T, heads, dim]
     heads, head_dim = queries.shape[1:]
-    kv_heads = cache.shape[2]
     outputs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (packed tokens, their outputs)
     if plan.families is not None:
         if sliding_window is not None:
@@ -293,25 +292,7 @@ def paged_attention_forward(
         attended = attend_with_shared_prefixes(family_queries, cache, plan.families.prefixes, scale)
         outputs.append((plan.families.tokens, attended))
     for group in plan.groups:
-        sequences, longest_query, longest_context = group.shape
-        grouped = queries.index_select(0, group.query_index)
-        grouped = grouped.view(sequences, longest_query, heads, head_dim).transpose(1, 2)
-        keys, values = (
-            torch.index_select(part, 0, group.context_slots, out=gathered)
-            .view(sequences, longest_context, kv_heads, head_dim)
-            .transpose(1, 2)
-            for part, gathered in zip((cache[0], cache[1]), group.workspace(cache), strict=True)
-        )
-        attended = torch.nn.functional.scaled_dot_product_attention(
-            grouped,
-            keys,
-            values,
-            attn_mask=group.mask(sliding_window),
-            scale=scaling,
-            enable_gqa=kv_heads != heads,
-        )
-        flat = attended.transpose(1, 2).reshape(sequences * longest_query, heads, head_dim)
-        outputs.append((group.tokens, flat.index_select(0, group.real_queries)))
+        outputs.append((group.tokens, _attend_group(group, queries, cache, scaling, sliding_window)))
     if len(outputs) == 1:
         # One group holds every sequence in packed order.
         return outputs[0][1][None], None
@@ -319,6 +300,38 @@ def paged_attention_forward(
     for tokens, output in outputs:
         packed.index_copy_(0, tokens, output)
     return packed[None], None
+
+
+def _attend_group(
+    group: _QueryGroup,
+    queries: torch.Tensor,
+    cache: torch.Tensor,
+    scaling: float | None,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """The outputs ``[Tg, heads, dim]`` of ``group``'s real queries, each sequence attending
+    to its own context slots (gathered into the group's reused workspace)."""
+    heads, head_dim = queries.shape[1:]
+    kv_heads = cache.shape[2]
+    sequences, longest_query, longest_context = group.shape
+    grouped = queries.index_select(0, group.query_index)
+    grouped = grouped.view(sequences, longest_query, heads, head_dim).transpose(1, 2)
+    keys, values = (
+        torch.index_select(part, 0, group.context_slots, out=gathered)
+        .view(sequences, longest_context, kv_heads, head_dim)
+        .transpose(1, 2)
+        for part, gathered in zip((cache[0], cache[1]), group.workspace(cache), strict=True)
+    )
+    attended = torch.nn.functional.scaled_dot_product_attention(
+        grouped,
+        keys,
+        values,
+        attn_mask=group.mask(sliding_window),
+        scale=scaling,
+        enable_gqa=kv_heads != heads,
+    )
+    flat = attended.transpose(1, 2).reshape(sequences * longest_query, heads, head_dim)
+    return flat.index_select(0, group.real_queries)
 
 
 AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
