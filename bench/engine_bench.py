@@ -231,13 +231,16 @@ def main() -> None:
     config = json.loads((model_dir / "config.json").read_text())
 
     engine = functools.partial(rollout_generate, args.rollout, model_dir, records, args.group, args, work)
+
+    def ablations() -> dict[str, dict]:
+        return {name: engine(overrides) for name, overrides in ABLATIONS.items()}
+
     runs = []
     for repeat in range(args.repeats):
         hf = hf_generate(model_dir, records, args.group, args.batch_prompts, args.seed + repeat)
-        ablated_first = repeat % 2 == 0
-        ablated = {name: engine(overrides) for name, overrides in ABLATIONS.items()} if ablated_first else {}
+        ablated = ablations() if repeat % 2 == 0 else {}
         ours = engine()
-        ablated = ablated or {name: engine(overrides) for name, overrides in ABLATIONS.items()}
+        ablated = ablated or ablations()
         rows = rows_per_step(records, int(ours["engine/prompt_tokens_computed"]))
         if len(rows) != ours["engine/steps"]:
             print(f"note: {ours['engine/steps']} engine steps, the bound assumes {len(rows)}")

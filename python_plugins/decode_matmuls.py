@@ -72,13 +72,15 @@ def install_engine_matmuls(model: torch.nn.Module, mode: EngineMatmuls) -> int:
     :func:`engine_forward` where ``mode`` says; returns how many layers may."""
     if mode not in ("auto", "linear", "weight_first"):
         raise ValueError(f"engine_matmuls must be auto, linear or weight_first, got {mode!r}")
+    if mode == "linear":
+        return 0
+    max_rows = WEIGHT_FIRST_MAX_ROWS if mode == "auto" else None
     installed = 0
     for module in model.modules():
-        if type(module) is not torch.nn.Linear or mode == "linear":
+        if type(module) is not torch.nn.Linear:
             continue
         if mode == "auto" and not _large_host_matrix(module.weight):
             continue
-        max_rows = WEIGHT_FIRST_MAX_ROWS if mode == "auto" else None
         module.forward = functools.partial(_forward, module, max_rows)
         installed += 1
     return installed
