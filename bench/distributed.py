@@ -98,23 +98,27 @@ def base_config(model: Path, data: Path, **sections: dict[str, Any]) -> dict[str
 # Weight sync
 
 
-def weight_sync_transport(work: Path, small: Path, repeats: int) -> list[dict[str, Any]]:
+def sync_layout(work: Path, small: Path) -> Path:
+    """The small model's trainable tensors as `[[name, shape], ...]`, the transport benchmark's input."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(small)
     layout = [[name, list(p.shape)] for name, p in model.named_parameters() if p.requires_grad]
-    layout_path = work / "small-layout.json"
-    layout_path.write_text(json.dumps(layout))
-    binary = cargo_example("weight_sync")
-    counts = [str(n) for n in WORKER_COUNTS]
+    path = work / "small-layout.json"
+    path.write_text(json.dumps(layout))
+    return path
+
+
+def weight_sync_transport(binary: Path, layout: Path, workers: int, repeats: int) -> dict[str, Any]:
+    """The transport alone to `workers` workers, with raw loopback TCP measured between its syncs."""
     result = subprocess.run(
-        [str(binary), str(layout_path), str(BUCKET_BYTES), str(repeats), *counts],
+        [str(binary), str(layout), str(BUCKET_BYTES), str(repeats), str(workers)],
         capture_output=True,
         text=True,
         check=True,
     )
     print(result.stderr, end="", flush=True)
-    return json.loads(result.stdout)["transport"]
+    return json.loads(result.stdout)["transport"][0]
 
 
 def span_seconds(trace: Path) -> dict[str, list[float]]:
@@ -137,58 +141,82 @@ def span_seconds(trace: Path) -> dict[str, list[float]]:
     return seconds
 
 
-def weight_sync_end_to_end(work: Path, small: Path, data: Path, steps: int) -> list[dict[str, Any]]:
-    rows = []
-    for workers in WORKER_COUNTS:
-        config = work / f"sync-{workers}.toml"
-        write_toml(
-            config,
-            base_config(
-                small,
-                data,
-                run={"steps": steps},
-                rollout={"prompts_per_step": 4, "group_size": 4, "max_new_tokens": 8},
-                cluster={
-                    "workers": workers,
-                    "trainers": 1,
-                    "max_staleness": 0,
-                    "weight_bucket_bytes": BUCKET_BYTES,
-                },
-            ),
-        )
-        trace = work / f"sync-{workers}.trace.json"
-        lines = launch(config, f"run.output_dir={work / f'sync-{workers}'}", trace=trace)
-        seconds = [line["weight_sync_seconds"] for line in lines[1:]]
-        spans = {name: statistics.median(values) for name, values in span_seconds(trace).items() if values}
-        rows.append(
-            {
+def weight_sync_end_to_end(
+    work: Path, small: Path, data: Path, workers: int, steps: int, tag: str
+) -> dict[str, Any]:
+    """A real `rollout launch` syncing after every step: the median `weight_sync_seconds` (the
+    first sync left out) and the median of each weight-sync span of its trace."""
+    config = work / f"sync-{tag}.toml"
+    write_toml(
+        config,
+        base_config(
+            small,
+            data,
+            run={"steps": steps},
+            rollout={"prompts_per_step": 4, "group_size": 4, "max_new_tokens": 8},
+            cluster={
                 "workers": workers,
-                "seconds": seconds,
-                "seconds_median": statistics.median(seconds),
-                "span_seconds_median": spans,
-            }
-        )
-        print(
-            f"  end to end, {workers} workers: {statistics.median(seconds):.3f} s per sync {spans}",
-            flush=True,
-        )
-    return rows
+                "trainers": 1,
+                "max_staleness": 0,
+                "weight_bucket_bytes": BUCKET_BYTES,
+            },
+        ),
+    )
+    trace = work / f"sync-{tag}.trace.json"
+    lines = launch(config, f"run.output_dir={work / f'sync-{tag}'}", trace=trace)
+    seconds = [line["weight_sync_seconds"] for line in lines[1:]]
+    spans = {name: statistics.median(values) for name, values in span_seconds(trace).items() if values}
+    print(f"  end to end, {workers} workers: {statistics.median(seconds):.3f} s per sync {spans}", flush=True)
+    return {"seconds": seconds, "seconds_median": statistics.median(seconds), "span_seconds_median": spans}
 
 
-def fractions_of_raw_chain(
-    transport: list[dict[str, Any]],
-    end_to_end: list[dict[str, Any]],
-    rate: str = "raw_relay_chain_bytes_per_second",
-) -> dict[str, float]:
-    """Per worker count: the raw relay chain's seconds for the model's bytes (measured in this
-    run by the transport benchmark; `rate` names which chain) over the end-to-end sync's
+def weight_sync_rounds(
+    work: Path, small: Path, data: Path, rounds: int, repeats: int, steps: int
+) -> list[dict[str, Any]]:
+    """Each round, for each worker count (in alternating order from round to round): the
+    transport benchmark, a real launch, and the transport benchmark again, so the raw chain an
+    end-to-end sync is divided by was measured on the host as it was during that sync."""
+    binary = cargo_example("weight_sync")
+    layout = sync_layout(work, small)
+    measured = []
+    for round_ in range(rounds):
+        order = WORKER_COUNTS if round_ % 2 == 0 else tuple(reversed(WORKER_COUNTS))
+        for workers in order:
+            before = weight_sync_transport(binary, layout, workers, repeats)
+            end_to_end = weight_sync_end_to_end(work, small, data, workers, steps, tag=f"{workers}-{round_}")
+            after = weight_sync_transport(binary, layout, workers, repeats)
+            measured.append(
+                {"round": round_, "workers": workers, "transport": [before, after], "end_to_end": end_to_end}
+            )
+    return measured
+
+
+def fraction_of_raw_chain(
+    measurement: dict[str, Any], rate: str = "raw_relay_chain_bytes_per_second"
+) -> float:
+    """The raw relay chain's seconds for the model's bytes (`rate` names which chain; the mean
+    of the runs right before and right after the sync's launch) over the end-to-end sync's
     median seconds."""
-    fractions = {}
-    for row in end_to_end:
-        raw = next(t for t in transport if t["workers"] == row["workers"])
-        raw_seconds = raw["model_bytes"] / raw[rate]
-        fractions[str(row["workers"])] = raw_seconds / row["seconds_median"]
-    return fractions
+    raw_seconds = statistics.mean(t["model_bytes"] / t[rate] for t in measurement["transport"])
+    return raw_seconds / measurement["end_to_end"]["seconds_median"]
+
+
+def per_worker_count(measured: Sequence[dict[str, Any]], key: str) -> dict[str, float]:
+    """For each worker count, the median of its measurements' `key`."""
+    return {
+        str(workers): statistics.median(m[key] for m in measured if m["workers"] == workers)
+        for workers in WORKER_COUNTS
+    }
+
+
+def transport_median(measured: Sequence[dict[str, Any]], key: str) -> dict[str, float]:
+    """For each worker count, the median of the transport runs' `key`."""
+    return {
+        str(workers): statistics.median(
+            t[key] for m in measured if m["workers"] == workers for t in m["transport"]
+        )
+        for workers in WORKER_COUNTS
+    }
 
 
 def step_time_tail(work: Path, steps: int) -> dict[str, Any]:
@@ -208,6 +236,35 @@ def step_time_tail(work: Path, steps: int) -> dict[str, Any]:
     median = statistics.median(seconds)
     print(f"  {steps} steps of configs/distributed.toml: median {median:.3f} s, p99 {p99:.3f} s", flush=True)
     return {"steps": steps, "median_seconds": median, "p99_seconds": p99, "p99_over_median": p99 / median}
+
+
+def sync_results(measured: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The headline figures of the weight-sync rounds, each the median over a worker count's
+    measurements (and each measurement given its own fractions of the raw chains)."""
+    kept = "raw_relay_chain_kept_bytes_per_second"
+    for m in measured:
+        m["fraction_of_raw_chain"] = fraction_of_raw_chain(m)
+        m["fraction_of_raw_chain_kept"] = fraction_of_raw_chain(m, rate=kept)
+    return {
+        "weight_sync_fraction_of_loopback": transport_median(measured, "fraction_of_loopback")["4"],
+        "weight_sync_fraction_of_raw_relay_chain": transport_median(measured, "fraction_of_raw_relay_chain")[
+            "4"
+        ],
+        "weight_sync_end_to_end_fraction_of_raw_chain": per_worker_count(measured, "fraction_of_raw_chain"),
+        # Against raw sockets that move the model's own bytes and keep them, as a sync must: a
+        # diagnostic beside the target's chain, whose reused 1 MiB buffers stay in cache.
+        "weight_sync_end_to_end_fraction_of_raw_chain_kept": per_worker_count(
+            measured, "fraction_of_raw_chain_kept"
+        ),
+        "trainer_egress_per_model_bytes": transport_median(measured, "trainer_egress_per_model_bytes")["4"],
+        "weight_sync_seconds": {
+            str(w): statistics.median(
+                m["end_to_end"]["seconds_median"] for m in measured if m["workers"] == w
+            )
+            for w in WORKER_COUNTS
+        },
+        "weight_sync_transport_seconds": transport_median(measured, "seconds_median"),
+    }
 
 
 # Asynchronous vs synchronous
@@ -354,28 +411,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("weight sync: the ~25M model", flush=True)
         small = work / "small"
         SIZES["small"].create(small, seed=0)
-        transport = weight_sync_transport(work, small, repeats=3 if quick else 9)
-        end_to_end = weight_sync_end_to_end(work, small, data, steps=3 if quick else 12)
-        four = next(row for row in transport if row["workers"] == 4)
-        results.update(
-            {
-                "weight_sync_fraction_of_loopback": four["fraction_of_loopback"],
-                "weight_sync_fraction_of_raw_relay_chain": four["fraction_of_raw_relay_chain"],
-                "weight_sync_end_to_end_fraction_of_raw_chain": fractions_of_raw_chain(transport, end_to_end),
-                # Against raw sockets that move the model's own bytes and keep them, as a
-                # sync must: a diagnostic beside the target's chain, whose reused 1 MiB
-                # buffers stay in cache.
-                "weight_sync_end_to_end_fraction_of_raw_chain_kept": fractions_of_raw_chain(
-                    transport, end_to_end, rate="raw_relay_chain_kept_bytes_per_second"
-                ),
-                "trainer_egress_per_model_bytes": four["trainer_egress_per_model_bytes"],
-                "weight_sync_seconds": {str(row["workers"]): row["seconds_median"] for row in end_to_end},
-                "weight_sync_transport_seconds": {
-                    str(row["workers"]): row["seconds_median"] for row in transport
-                },
-            }
+        measured = weight_sync_rounds(
+            work, small, data, rounds=1 if quick else 3, repeats=3 if quick else 9, steps=3 if quick else 12
         )
-        details.update({"transport": transport, "end_to_end": end_to_end})
+        results.update(sync_results(measured))
+        details.pop("transport", None)
+        details.pop("end_to_end", None)
+        details["sync_rounds"] = measured
 
     if "tail" in parts:
         print("step-time tail of configs/distributed.toml", flush=True)

@@ -1,0 +1,53 @@
+"""The arithmetic of ``bench/distributed``'s weight-sync rounds (the benchmark itself is not a test)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from bench import distributed
+
+MODEL_BYTES = 100_000_000
+
+
+def transport(chain_gbps: float, kept_gbps: float, seconds: float) -> dict[str, Any]:
+    return {
+        "model_bytes": MODEL_BYTES,
+        "raw_relay_chain_bytes_per_second": chain_gbps * 1e9,
+        "raw_relay_chain_kept_bytes_per_second": kept_gbps * 1e9,
+        "seconds_median": seconds,
+        "fraction_of_loopback": 0.5,
+        "fraction_of_raw_relay_chain": 0.8,
+        "trainer_egress_per_model_bytes": 1.0,
+    }
+
+
+def measurement(workers: int, before: float, after: float, sync_seconds: float) -> dict[str, Any]:
+    return {
+        "workers": workers,
+        "transport": [transport(before, before / 2, 0.04), transport(after, after / 2, 0.06)],
+        "end_to_end": {"seconds_median": sync_seconds},
+    }
+
+
+def test_a_sync_is_divided_by_the_raw_chain_measured_around_it() -> None:
+    # The chain moved the model in 0.05 s before the launch and 0.03 s after: 0.04 s on average.
+    m = measurement(1, before=2.0, after=100 / 30, sync_seconds=0.08)
+    assert distributed.fraction_of_raw_chain(m) == pytest.approx(0.5)
+    kept = "raw_relay_chain_kept_bytes_per_second"
+    assert distributed.fraction_of_raw_chain(m, rate=kept) == pytest.approx(1.0)
+
+
+def test_headline_figures_are_medians_over_each_worker_counts_rounds() -> None:
+    measured = [
+        measurement(workers, before=2.0, after=2.0, sync_seconds=seconds)
+        for workers in distributed.WORKER_COUNTS
+        for seconds in (0.05, 0.1, 0.2)
+    ]
+    results = distributed.sync_results(measured)
+    # 0.05 s of raw chain against syncs of 0.05, 0.1 and 0.2 s: fractions 1, 0.5 and 0.25.
+    assert results["weight_sync_end_to_end_fraction_of_raw_chain"] == {"1": 0.5, "2": 0.5, "4": 0.5}
+    assert results["weight_sync_seconds"] == {"1": 0.1, "2": 0.1, "4": 0.1}
+    assert results["weight_sync_transport_seconds"]["4"] == pytest.approx(0.05)
+    assert [m["fraction_of_raw_chain"] for m in measured[:3]] == pytest.approx([1.0, 0.5, 0.25])
