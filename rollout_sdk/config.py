@@ -63,33 +63,14 @@ def _coerce(value: Any, hint: Any, path: tuple[str, ...]) -> Any:
     if hint is Any:
         return value
     if origin in (typing.Union, types.UnionType):
-        errors = []
-        if value is None and type(None) in args:
-            return None
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, path)
-            except ConfigError as err:
-                errors.append(err.reason)
-        raise ConfigError(path, " or ".join(errors))
+        return _coerce_union(value, args, path)
     if origin is typing.Literal:
         if value in args:
             return value
         allowed = ", ".join(repr(a) for a in args)
         raise ConfigError(path, f"must be one of {allowed}, got {value!r}")
     if origin in (list, tuple) or hint in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(path, f"expected an array, got {type(value).__name__}")
-        if (origin or hint) is tuple and args and args[-1] is not Ellipsis:
-            if len(value) != len(args):
-                raise ConfigError(path, f"expected {len(args)} values, got {len(value)}")
-            pairs = enumerate(zip(value, args, strict=True))
-            return tuple(_coerce(v, h, (*path, str(i))) for i, (v, h) in pairs)
-        item_hint = args[0] if args else Any
-        items = [_coerce(v, item_hint, (*path, str(i))) for i, v in enumerate(value)]
-        return tuple(items) if (origin or hint) is tuple else items
+        return _coerce_sequence(value, origin or hint, args, path)
     if origin is dict or hint is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(path, f"expected a table, got {type(value).__name__}")
@@ -97,6 +78,41 @@ def _coerce(value: Any, hint: Any, path: tuple[str, ...]) -> Any:
         return {k: _coerce(v, value_hint, (*path, k)) for k, v in value.items()}
     if dataclasses.is_dataclass(hint):
         return build_config(hint, value, path)
+    return _coerce_scalar(value, hint, path)
+
+
+def _coerce_union(value: Any, args: tuple[Any, ...], path: tuple[str, ...]) -> Any:
+    """The value as the first member of the union that takes it."""
+    if value is None and type(None) in args:
+        return None
+    errors = []
+    for arg in args:
+        if arg is type(None):
+            continue
+        try:
+            return _coerce(value, arg, path)
+        except ConfigError as err:
+            errors.append(err.reason)
+    raise ConfigError(path, " or ".join(errors))
+
+
+def _coerce_sequence(value: Any, kind: type, args: tuple[Any, ...], path: tuple[str, ...]) -> Any:
+    """An array as a list, a homogeneous tuple (`tuple[int, ...]`) or a fixed tuple."""
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(path, f"expected an array, got {type(value).__name__}")
+    if kind is tuple and args and args[-1] is not Ellipsis:
+        if len(value) != len(args):
+            raise ConfigError(path, f"expected {len(args)} values, got {len(value)}")
+        pairs = enumerate(zip(value, args, strict=True))
+        return tuple(_coerce(v, h, (*path, str(i))) for i, (v, h) in pairs)
+    item_hint = args[0] if args else Any
+    items = [_coerce(v, item_hint, (*path, str(i))) for i, v in enumerate(value)]
+    return tuple(items) if kind is tuple else items
+
+
+def _coerce_scalar(value: Any, hint: Any, path: tuple[str, ...]) -> Any:
+    """A bool, int, float, str or path, checked strictly (a bool is not an int); any other
+    type passes as it is."""
     if hint is bool:
         if isinstance(value, bool):
             return value

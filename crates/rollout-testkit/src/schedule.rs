@@ -131,27 +131,7 @@ impl Schedule {
         }
         let start = self.counted;
         let end = start + len as u64;
-        let mut events: Vec<(u64, Event)> = Vec::new();
-        if let Some(at) = self.faults.reset_after {
-            // A reset whose offset ends this chunk happens right after it, without waiting
-            // for more bytes.
-            if at <= end {
-                events.push((at.max(start), Event::Reset));
-            }
-        }
-        if let Some(at) = self.faults.stall_after
-            && !self.stalled
-            && (start..end).contains(&at)
-        {
-            events.push((at, Event::Stall));
-        }
-        if let Some(at) = self.faults.corrupt_after
-            && !self.corrupted
-            && (start..end).contains(&at)
-        {
-            events.push((at, Event::Flip));
-        }
-        events.sort();
+        let events = self.events(start, end);
         let mut actions = Vec::with_capacity(2 * events.len() + 1);
         let mut cursor = 0usize;
         for (at, event) in events {
@@ -183,6 +163,32 @@ impl Schedule {
         }
         self.counted = end;
         actions
+    }
+
+    /// The faults still to come that fall on counted bytes `start..end`, in order of offset.
+    fn events(&self, start: u64, end: u64) -> Vec<(u64, Event)> {
+        let mut events = Vec::new();
+        if let Some(at) = self.faults.reset_after {
+            // A reset whose offset ends this chunk happens right after it, without waiting
+            // for more bytes.
+            if at <= end {
+                events.push((at.max(start), Event::Reset));
+            }
+        }
+        if let Some(at) = self.faults.stall_after
+            && !self.stalled
+            && (start..end).contains(&at)
+        {
+            events.push((at, Event::Stall));
+        }
+        if let Some(at) = self.faults.corrupt_after
+            && !self.corrupted
+            && (start..end).contains(&at)
+        {
+            events.push((at, Event::Flip));
+        }
+        events.sort();
+        events
     }
 }
 

@@ -455,27 +455,38 @@ impl WeightStore {
             version_hasher.add(&header);
             target.push(Bucket { header, payload });
         }
-        let buffer =
-            buffer.ok_or_else(|| corrupt(report.version, 0, &source_name, "no buckets".into()))?;
-        if buffer.bucket_count_so_far() != buffer.count {
-            let reason = "the stream ended early".into();
-            return Err(corrupt(
-                report.version,
-                buffer.bucket_count_so_far(),
-                &source_name,
-                reason,
-            ));
-        }
-        let found = version_hasher.finish();
-        if report.is_sealed() && found != report.checksum {
-            return Err(WeightsError::ChecksumMismatch {
-                version: report.version,
-                expected: report.checksum.clone(),
-                found,
-            });
-        }
-        Ok(buffer)
+        whole_version(buffer, version_hasher, report, &source_name)
     }
+}
+
+/// The pulled `buffer` once the stream has ended: every bucket in, and the version checksum
+/// `hasher` folded the one `report` published (if it is sealed).
+fn whole_version(
+    buffer: Option<Arc<VersionBuffer>>,
+    hasher: VersionHasher,
+    report: &WeightsReport,
+    source_name: &str,
+) -> Result<Arc<VersionBuffer>, WeightsError> {
+    let buffer =
+        buffer.ok_or_else(|| corrupt(report.version, 0, source_name, "no buckets".into()))?;
+    if buffer.bucket_count_so_far() != buffer.count {
+        let reason = "the stream ended early".into();
+        return Err(corrupt(
+            report.version,
+            buffer.bucket_count_so_far(),
+            source_name,
+            reason,
+        ));
+    }
+    let found = hasher.finish();
+    if report.is_sealed() && found != report.checksum {
+        return Err(WeightsError::ChecksumMismatch {
+            version: report.version,
+            expected: report.checksum.clone(),
+            found,
+        });
+    }
+    Ok(buffer)
 }
 
 /// A bucket as it came off the wire, before it is stored.

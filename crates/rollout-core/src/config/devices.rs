@@ -238,17 +238,7 @@ pub fn assign(
     if trainer_lists.is_none() && worker_lists.is_none() && visible.0.is_empty() {
         return Ok(None);
     }
-    let count = visible.0.len() as u32;
-    for (role, lists) in [("trainers", &trainer_lists), ("workers", &worker_lists)] {
-        for (index, list) in lists.iter().flatten().enumerate() {
-            if let Some(device) = list.iter().find(|&&d| d >= count) {
-                return Err(misplaced(
-                    key(role).index(index),
-                    format!("device {device} is not visible: {}", visible.describe()),
-                ));
-            }
-        }
-    }
+    check_visible(&trainer_lists, &worker_lists, visible)?;
     let trainer_lists = match trainer_lists {
         Some(lists) => lists,
         None => {
@@ -288,6 +278,26 @@ pub fn assign(
         workers: named(worker_lists),
         trainers: named(trainer_lists),
     }))
+}
+
+/// Every device the configured lists name is one of `visible`.
+fn check_visible(
+    trainer_lists: &Option<Vec<Vec<u32>>>,
+    worker_lists: &Option<Vec<Vec<u32>>>,
+    visible: &VisibleDevices,
+) -> Result<(), Misplaced> {
+    let count = visible.0.len() as u32;
+    for (role, lists) in [("trainers", trainer_lists), ("workers", worker_lists)] {
+        for (index, list) in lists.iter().flatten().enumerate() {
+            if let Some(device) = list.iter().find(|&&d| d >= count) {
+                return Err(misplaced(
+                    key(role).index(index),
+                    format!("device {device} is not visible: {}", visible.describe()),
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 fn flat(lists: &Option<Vec<Vec<u32>>>) -> Vec<u32> {
