@@ -43,6 +43,8 @@ ROLLOUT = REPO / "target" / "release" / "rollout"
 EXAMPLES = REPO / "target" / "release" / "examples"
 WORKER_COUNTS = (1, 2, 4)
 BUCKET_BYTES = 8 << 20
+# The raw relay chain that moves the model's own bytes and keeps them, as a sync must.
+KEPT_CHAIN = "raw_relay_chain_kept_bytes_per_second"
 
 
 def cargo_example(name: str) -> Path:
@@ -186,7 +188,14 @@ def weight_sync_rounds(
             end_to_end = weight_sync_end_to_end(work, small, data, workers, steps, tag=f"{workers}-{round_}")
             after = weight_sync_transport(binary, layout, workers, repeats)
             measured.append(
-                {"round": round_, "workers": workers, "transport": [before, after], "end_to_end": end_to_end}
+                with_fractions(
+                    {
+                        "round": round_,
+                        "workers": workers,
+                        "transport": [before, after],
+                        "end_to_end": end_to_end,
+                    }
+                )
             )
     return measured
 
@@ -199,6 +208,16 @@ def fraction_of_raw_chain(
     median seconds."""
     raw_seconds = statistics.mean(t["model_bytes"] / t[rate] for t in measurement["transport"])
     return raw_seconds / measurement["end_to_end"]["seconds_median"]
+
+
+def with_fractions(measurement: dict[str, Any]) -> dict[str, Any]:
+    """The measurement with its end-to-end sync's fractions of the raw chain and of the chain
+    that keeps the model's bytes."""
+    return {
+        **measurement,
+        "fraction_of_raw_chain": fraction_of_raw_chain(measurement),
+        "fraction_of_raw_chain_kept": fraction_of_raw_chain(measurement, rate=KEPT_CHAIN),
+    }
 
 
 def per_worker_count(measured: Sequence[dict[str, Any]], key: str) -> dict[str, float]:
@@ -240,11 +259,7 @@ def step_time_tail(work: Path, steps: int) -> dict[str, Any]:
 
 def sync_results(measured: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The headline figures of the weight-sync rounds, each the median over a worker count's
-    measurements (and each measurement given its own fractions of the raw chains)."""
-    kept = "raw_relay_chain_kept_bytes_per_second"
-    for m in measured:
-        m["fraction_of_raw_chain"] = fraction_of_raw_chain(m)
-        m["fraction_of_raw_chain_kept"] = fraction_of_raw_chain(m, rate=kept)
+    measurements."""
     return {
         "weight_sync_fraction_of_loopback": transport_median(measured, "fraction_of_loopback")["4"],
         "weight_sync_fraction_of_raw_relay_chain": transport_median(measured, "fraction_of_raw_relay_chain")[

@@ -35,13 +35,13 @@ def test_a_sync_is_divided_by_the_raw_chain_measured_around_it() -> None:
     # The chain moved the model in 0.05 s before the launch and 0.03 s after: 0.04 s on average.
     m = measurement(1, before=2.0, after=100 / 30, sync_seconds=0.08)
     assert distributed.fraction_of_raw_chain(m) == pytest.approx(0.5)
-    kept = "raw_relay_chain_kept_bytes_per_second"
-    assert distributed.fraction_of_raw_chain(m, rate=kept) == pytest.approx(1.0)
+    assert distributed.fraction_of_raw_chain(m, rate=distributed.KEPT_CHAIN) == pytest.approx(1.0)
+    assert distributed.with_fractions(m)["fraction_of_raw_chain_kept"] == pytest.approx(1.0)
 
 
 def test_headline_figures_are_medians_over_each_worker_counts_rounds() -> None:
     measured = [
-        measurement(workers, before=2.0, after=2.0, sync_seconds=seconds)
+        distributed.with_fractions(measurement(workers, before=2.0, after=2.0, sync_seconds=seconds))
         for workers in distributed.WORKER_COUNTS
         for seconds in (0.05, 0.1, 0.2)
     ]
