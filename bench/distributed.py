@@ -22,8 +22,11 @@ import statistics
 import subprocess
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -45,6 +48,10 @@ WORKER_COUNTS = (1, 2, 4)
 BUCKET_BYTES = 8 << 20
 # The raw relay chain that moves the model's own bytes and keeps them, as a sync must.
 KEPT_CHAIN = "raw_relay_chain_kept_bytes_per_second"
+# A sync the next step waits for whole: `weight_sync_seconds` is the whole sync.
+WHOLE_SYNC = {"trainers": 1, "max_staleness": 0}
+# The cluster users run: configs/distributed.toml's (2 workers, 2 trainer ranks, staleness 1).
+SHIPPED_SYNC: dict[str, Any] = tomllib.loads((REPO / "configs" / "distributed.toml").read_text())["cluster"]
 
 
 def cargo_example(name: str) -> Path:
@@ -144,10 +151,11 @@ def span_seconds(trace: Path) -> dict[str, list[float]]:
 
 
 def weight_sync_end_to_end(
-    work: Path, small: Path, data: Path, workers: int, steps: int, tag: str
+    work: Path, small: Path, data: Path, workers: int, steps: int, tag: str, cluster: dict[str, Any]
 ) -> dict[str, Any]:
-    """A real `rollout launch` syncing after every step: the median `weight_sync_seconds` (the
-    first sync left out) and the median of each weight-sync span of its trace."""
+    """A real `rollout launch` syncing after every step, with `cluster`'s trainers and
+    staleness: the median `weight_sync_seconds` (the first sync left out) and the median of
+    each weight-sync span of its trace."""
     config = work / f"sync-{tag}.toml"
     write_toml(
         config,
@@ -156,12 +164,7 @@ def weight_sync_end_to_end(
             data,
             run={"steps": steps},
             rollout={"prompts_per_step": 4, "group_size": 4, "max_new_tokens": 8},
-            cluster={
-                "workers": workers,
-                "trainers": 1,
-                "max_staleness": 0,
-                "weight_bucket_bytes": BUCKET_BYTES,
-            },
+            cluster={**cluster, "workers": workers, "weight_bucket_bytes": BUCKET_BYTES},
         ),
     )
     trace = work / f"sync-{tag}.trace.json"
@@ -172,42 +175,61 @@ def weight_sync_end_to_end(
     return {"seconds": seconds, "seconds_median": statistics.median(seconds), "span_seconds_median": spans}
 
 
-def weight_sync_rounds(
-    work: Path, small: Path, data: Path, rounds: int, repeats: int, steps: int
-) -> list[dict[str, Any]]:
-    """Each round, for each worker count (in alternating order from round to round): the
-    transport benchmark, a real launch, and the transport benchmark again, so the raw chain an
-    end-to-end sync is divided by was measured on the host as it was during that sync."""
-    binary = cargo_example("weight_sync")
-    layout = sync_layout(work, small)
-    measured = []
-    for round_ in range(rounds):
-        order = WORKER_COUNTS if round_ % 2 == 0 else tuple(reversed(WORKER_COUNTS))
-        for workers in order:
-            before = weight_sync_transport(binary, layout, workers, repeats)
-            end_to_end = weight_sync_end_to_end(work, small, data, workers, steps, tag=f"{workers}-{round_}")
-            after = weight_sync_transport(binary, layout, workers, repeats)
-            measured.append(
-                with_fractions(
-                    {
-                        "round": round_,
-                        "workers": workers,
-                        "transport": [before, after],
-                        "end_to_end": end_to_end,
-                    }
-                )
-            )
-    return measured
+@dataclass(frozen=True)
+class SyncBench:
+    """Syncs of the small model, each measured around its launch: the transport benchmark
+    (`binary` on the model's `layout`, with its raw chains), the launch, and the transport
+    benchmark again, so the raw chain a sync is divided by was measured on the host as it
+    was during that sync."""
+
+    work: Path
+    small: Path
+    data: Path
+    binary: Path
+    layout: Path
+    repeats: int
+    steps: int
+
+    def around_launch(self, workers: int, tag: str, cluster: dict[str, Any]) -> dict[str, Any]:
+        before = weight_sync_transport(self.binary, self.layout, workers, self.repeats)
+        end_to_end = weight_sync_end_to_end(
+            self.work, self.small, self.data, workers, self.steps, tag, cluster
+        )
+        after = weight_sync_transport(self.binary, self.layout, workers, self.repeats)
+        return {"workers": workers, "transport": [before, after], "end_to_end": end_to_end}
+
+    def rounds(self, rounds: int) -> list[dict[str, Any]]:
+        """Each round, each worker count (in alternating order from round to round) with a
+        sync the next step waits for whole (`WHOLE_SYNC`)."""
+        measured = []
+        for round_ in range(rounds):
+            order = WORKER_COUNTS if round_ % 2 == 0 else tuple(reversed(WORKER_COUNTS))
+            for workers in order:
+                m = self.around_launch(workers, f"{workers}-{round_}", WHOLE_SYNC)
+                measured.append(with_fractions({"round": round_, **m}))
+        return measured
+
+    def shipped(self) -> dict[str, Any]:
+        """The sync with `configs/distributed.toml`'s cluster settings (`SHIPPED_SYNC`). With
+        staleness the load goes on into the next step, so the figure is the workers' pull span
+        (transfer and verification) against the raw chain."""
+        m = self.around_launch(SHIPPED_SYNC["workers"], "shipped", SHIPPED_SYNC)
+        pull = m["end_to_end"]["span_seconds_median"]["weights.pull"]
+        return {**m, "cluster": SHIPPED_SYNC, "pull_fraction_of_raw_chain": raw_chain_seconds(m) / pull}
 
 
 def fraction_of_raw_chain(
     measurement: dict[str, Any], rate: str = "raw_relay_chain_bytes_per_second"
 ) -> float:
-    """The raw relay chain's seconds for the model's bytes (`rate` names which chain; the mean
-    of the runs right before and right after the sync's launch) over the end-to-end sync's
-    median seconds."""
-    raw_seconds = statistics.mean(t["model_bytes"] / t[rate] for t in measurement["transport"])
-    return raw_seconds / measurement["end_to_end"]["seconds_median"]
+    """The raw relay chain's seconds for the model's bytes over the end-to-end sync's median
+    seconds."""
+    return raw_chain_seconds(measurement, rate) / measurement["end_to_end"]["seconds_median"]
+
+
+def raw_chain_seconds(measurement: dict[str, Any], rate: str = "raw_relay_chain_bytes_per_second") -> float:
+    """The raw relay chain's seconds for the model's bytes (`rate` names which chain): the mean
+    of the runs right before and right after the sync's launch."""
+    return statistics.mean(t["model_bytes"] / t[rate] for t in measurement["transport"])
 
 
 def with_fractions(measurement: dict[str, Any]) -> dict[str, Any]:
@@ -426,13 +448,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("weight sync: the ~25M model", flush=True)
         small = work / "small"
         SIZES["small"].create(small, seed=0)
-        measured = weight_sync_rounds(
-            work, small, data, rounds=1 if quick else 3, repeats=3 if quick else 9, steps=3 if quick else 12
+        bench = SyncBench(
+            work,
+            small,
+            data,
+            binary=cargo_example("weight_sync"),
+            layout=sync_layout(work, small),
+            repeats=3 if quick else 9,
+            steps=3 if quick else 12,
         )
+        measured = bench.rounds(1 if quick else 3)
         results.update(sync_results(measured))
+        shipped = bench.shipped()
+        results["weight_sync_shipped_settings_pull_fraction_of_raw_chain"] = shipped[
+            "pull_fraction_of_raw_chain"
+        ]
         details.pop("transport", None)
         details.pop("end_to_end", None)
         details["sync_rounds"] = measured
+        details["sync_shipped_settings"] = shipped
 
     if "tail" in parts:
         print("step-time tail of configs/distributed.toml", flush=True)

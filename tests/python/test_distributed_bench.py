@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
+import tomllib
 
 from bench import distributed
 
 MODEL_BYTES = 100_000_000
+REPO = Path(__file__).resolve().parents[2]
 
 
 def transport(chain_gbps: float, kept_gbps: float, seconds: float) -> dict[str, Any]:
@@ -51,3 +54,25 @@ def test_headline_figures_are_medians_over_each_worker_counts_rounds() -> None:
     assert results["weight_sync_seconds"] == {"1": 0.1, "2": 0.1, "4": 0.1}
     assert results["weight_sync_transport_seconds"]["4"] == pytest.approx(0.05)
     assert [m["fraction_of_raw_chain"] for m in measured[:3]] == pytest.approx([1.0, 0.5, 0.25])
+
+
+def test_the_shipped_settings_sync_is_its_pull_against_the_raw_chain_around_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    chains = iter([2.0, 100 / 30])  # 0.05 s, then 0.03 s for the model: 0.04 s on average
+    launched: list[dict[str, Any]] = []
+
+    def fake_transport(binary: Path, layout: Path, workers: int, repeats: int) -> dict[str, Any]:
+        return transport(next(chains), 1.0, 0.05)
+
+    def fake_launch(*args: Any) -> dict[str, Any]:
+        launched.append({"workers": args[3], "cluster": args[6]})
+        return {"seconds_median": 0.01, "span_seconds_median": {"weights.pull": 0.05}}
+
+    monkeypatch.setattr(distributed, "weight_sync_transport", fake_transport)
+    monkeypatch.setattr(distributed, "weight_sync_end_to_end", fake_launch)
+    bench = distributed.SyncBench(tmp_path, tmp_path, tmp_path, tmp_path, tmp_path, repeats=1, steps=3)
+    shipped = bench.shipped()
+    shipped_cluster = tomllib.loads((REPO / "configs" / "distributed.toml").read_text())["cluster"]
+    assert launched == [{"workers": shipped_cluster["workers"], "cluster": shipped_cluster}]
+    assert shipped["pull_fraction_of_raw_chain"] == pytest.approx(0.8)
