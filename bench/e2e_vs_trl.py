@@ -78,58 +78,92 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    if args.report_only:
-        report(json.loads(RESULTS.read_text()))
-        return 0
-    import torch
-    import transformers
-    import trl
-    from transformers.utils import logging as transformers_logging
+@dataclasses.dataclass(frozen=True)
+class Bench:
+    """What every run of the benchmark shares: the options, the data, the warm-started model
+    of each size and the machine's limits at its shapes."""
 
-    from python_plugins.quickstart import write_addition_splits
+    args: argparse.Namespace
+    work: Path
+    data: Path
+    workload: Workload
+    sizes: list[ModelSize]
+    models: dict[str, Path]
+    configs: dict[str, dict[str, Any]]
+    limits: dict[str, dict[str, Any]]
+    import_torch_rss_bytes: int
+    versions: dict[str, str]
 
-    transformers_logging.disable_progress_bar()
+    @classmethod
+    def prepare(cls, args: argparse.Namespace) -> Bench:
+        # Imported first: a missing TRL fails the benchmark before minutes of warm starts.
+        import torch
+        import transformers
+        import trl
 
-    workload = Workload()
-    work: Path = args.work.resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(work / "runs", ignore_errors=True)
-    data, _ = write_addition_splits(work / "data", train=4000, test=200, seed=0)
-    sizes = [SIZES[name] for name in args.sizes.split(",") if name]
-    kls = [float(value) for value in args.kl.split(",") if value]
-    python = Path(sys.executable)
+        from python_plugins.quickstart import write_addition_splits
 
-    models: dict[str, Path] = {}
-    configs: dict[str, dict[str, Any]] = {}
-    limits: dict[str, dict[str, Any]] = {}
-    print("preparing models", flush=True)
-    for size in sizes:
-        models[size.name] = warm_start(args.rollout, work, size, data, workload)
-        configs[size.name] = json.loads((models[size.name] / "config.json").read_text())
-    print("measuring the machine", flush=True)
-    # What any process pays before doing anything: the interpreter with torch imported.
-    torch_floor = run_measured([str(python), "-c", "import torch"], work / "logs" / "import-torch.log")
-    for size in sizes:
+        versions = {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "trl": trl.__version__,
+            "python": platform.python_version(),
+        }
+
+        workload = Workload()
+        work: Path = args.work.resolve()
+        work.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(work / "runs", ignore_errors=True)
+        data, _ = write_addition_splits(work / "data", train=4000, test=200, seed=0)
+        sizes = [SIZES[name] for name in args.sizes.split(",") if name]
+        print("preparing models", flush=True)
+        models = {size.name: warm_start(args.rollout, work, size, data, workload) for size in sizes}
+        configs = {name: json.loads((model / "config.json").read_text()) for name, model in models.items()}
+        print("measuring the machine", flush=True)
+        # What any process pays before doing anything: the interpreter with torch imported.
+        torch_floor = run_measured([sys.executable, "-c", "import torch"], work / "logs" / "import-torch.log")
         # Training passes see about completions x (prompt + completion) tokens at once.
-        limits[size.name] = machine_limits(configs[size.name], rows=768, threads=workload.threads)
+        limits = {
+            name: machine_limits(config, rows=768, threads=workload.threads)
+            for name, config in configs.items()
+        }
+        return cls(
+            args,
+            work,
+            data,
+            workload,
+            sizes,
+            models,
+            configs,
+            limits,
+            torch_floor["peak_rss_bytes"],
+            versions,
+        )
 
-    def run_pair(size: ModelSize, kl: float, precision: str, steps: int, repeat: int) -> dict[str, Any]:
+    def run_pair(self, size: ModelSize, kl: float, precision: str, steps: int, repeat: int) -> dict[str, Any]:
+        """Rollout and TRL on the same work, the first of the two alternating with `repeat`."""
         pair: dict[str, Any] = {"repeat": repeat}
         order = ("rollout", "trl") if repeat % 2 == 0 else ("trl", "rollout")
         for framework in order:
             label = f"{framework}-{size.name}-{precision}-kl{kl:g}-{steps}steps-r{repeat}"
-            spec = RunSpec(framework, size.name, models[size.name], kl, precision, steps, label)
+            spec = RunSpec(framework, size.name, self.models[size.name], kl, precision, steps, label)
             if framework == "rollout":
-                command, metrics = rollout_command(spec, args.rollout, work, data, workload)
+                command, metrics = rollout_command(
+                    spec, self.args.rollout, self.work, self.data, self.workload
+                )
             else:
-                command, metrics = trl_command(spec, python, work, data, workload)
+                command, metrics = trl_command(
+                    spec, Path(sys.executable), self.work, self.data, self.workload
+                )
             print(f"  {label}", end="", flush=True)
-            process = run_measured(command, work / "logs" / f"{label}.log")
+            process = run_measured(command, self.work / "logs" / f"{label}.log")
             steps_done = read_steps(framework, metrics)
             summary = summarise(
-                steps_done, args.warmup, configs[size.name], kl > 0, limits[size.name]["gemm_gflops"]
+                steps_done,
+                self.args.warmup,
+                self.configs[size.name],
+                kl > 0,
+                self.limits[size.name]["gemm_gflops"],
             )
             pair[framework] = {**summary, **process, "rewards": [s["reward_mean"] for s in steps_done]}
             print(
@@ -140,70 +174,101 @@ def main(argv: Sequence[str] | None = None) -> int:
         pair["ratios"] = pair_ratios(pair["rollout"], pair["trl"])
         return pair
 
-    tables: dict[str, list[dict[str, Any]]] = {}
-    for precision in args.precisions.split(","):
-        repeats = args.repeats if precision == "fp32" else args.bf16_repeats
-        print(f"speed runs, {precision}", flush=True)
-        rows = []
-        for size in sizes:
-            for kl in kls if precision == "fp32" else kls[:1]:
-                pairs = [run_pair(size, kl, precision, args.steps, repeat) for repeat in range(repeats)]
-                rows.append({"size": size.name, "kl_coef": kl, "pairs": pairs, "headline": headline(pairs)})
-        tables[precision] = rows
+    def speed_tables(self) -> dict[str, list[dict[str, Any]]]:
+        """Each precision's rows: every size with every KL value (bf16: the first only)."""
+        args = self.args
+        kls = [float(value) for value in args.kl.split(",") if value]
+        tables: dict[str, list[dict[str, Any]]] = {}
+        for precision in args.precisions.split(","):
+            repeats = args.repeats if precision == "fp32" else args.bf16_repeats
+            print(f"speed runs, {precision}", flush=True)
+            rows = []
+            for size in self.sizes:
+                for kl in kls if precision == "fp32" else kls[:1]:
+                    pairs = [
+                        self.run_pair(size, kl, precision, args.steps, repeat) for repeat in range(repeats)
+                    ]
+                    rows.append(
+                        {"size": size.name, "kl_coef": kl, "pairs": pairs, "headline": headline(pairs)}
+                    )
+            tables[precision] = rows
+        return tables
 
-    learning: dict[str, Any] | None = None
-    learning_steps = dict(item.split("=") for item in args.learning_steps.split(",") if item)
-    if learning_steps:
+    def learning_check(self) -> dict[str, Any] | None:
+        """Longer runs from the same checkpoint, their reward curves compared."""
+        learning_steps = dict(item.split("=") for item in self.args.learning_steps.split(",") if item)
+        if not learning_steps:
+            return None
         print("learning check", flush=True)
         curves: dict[str, dict[str, list[float]]] = {}
-        for size in sizes:
+        for size in self.sizes:
             if size.name in learning_steps:
-                pair = run_pair(size, 0.0, "fp32", int(learning_steps[size.name]), repeat=0)
+                pair = self.run_pair(size, 0.0, "fp32", int(learning_steps[size.name]), repeat=0)
                 curves[size.name] = {fw: pair[fw]["rewards"] for fw in ("rollout", "trl")}
-        learning = {
+        return {
             "steps": learning_steps,
             "curves": curves,
             "verdicts": {size: learning_verdict(c["rollout"], c["trl"]) for size, c in curves.items()},
         }
 
-    fp32 = {row["size"]: row for row in tables.get("fp32", []) if row["kl_coef"] == 0.0}
-    results = {
-        "date": datetime.date.today().isoformat(),
-        "command": " ".join(
-            ["bench/e2e_vs_trl", *user_arguments(argv if argv is not None else sys.argv[1:])]
-        ),
-        "versions": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "trl": trl.__version__,
-            "python": platform.python_version(),
-        },
-        "machine": {
-            "cpu": _cpu_name(),
-            "cores": os.cpu_count(),
-            "limits": limits,
-            "import_torch_rss_bytes": torch_floor["peak_rss_bytes"],
-        },
-        "workload": {**dataclasses.asdict(workload), "completions_per_step": workload.completions_per_step},
-        "warmup_steps": args.warmup,
-        "measured_steps": args.steps - args.warmup,
-        # The headline per size: fp32, no KL term, medians over the repeats.
-        **{
-            size: {
-                "parameters": sum(n_in * n_out for n_in, n_out in matmul_shapes(configs[size]))
-                + configs[size]["vocab_size"] * configs[size]["hidden_size"],
-                "completions_per_second": row["headline"]["completions_per_second"],
-                "peak_rss_bytes": row["headline"]["peak_rss_bytes"],
-                "throughput_ratio": row["headline"]["throughput_ratio"],
-                "memory_ratio": row["headline"]["memory_ratio"],
-                "compute_bound_fraction": row["headline"]["compute_bound_fraction"],
-                "train_compute_bound_fraction": row["headline"]["train_compute_bound_fraction"],
-            }
-            for size, row in fp32.items()
-        },
-        "tables": tables,
-        "learning": learning,
-    }
+    def results(
+        self, argv: Sequence[str], tables: dict[str, list[dict[str, Any]]], learning: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        """`bench/results/e2e_vs_trl.json`, with the headline per size: fp32, no KL term, medians
+        over the repeats."""
+        fp32 = {row["size"]: row for row in tables.get("fp32", []) if row["kl_coef"] == 0.0}
+        return {
+            "date": datetime.date.today().isoformat(),
+            "command": " ".join(["bench/e2e_vs_trl", *user_arguments(argv)]),
+            "versions": self.versions,
+            "machine": {
+                "cpu": _cpu_name(),
+                "cores": os.cpu_count(),
+                "limits": self.limits,
+                "import_torch_rss_bytes": self.import_torch_rss_bytes,
+            },
+            "workload": {
+                **dataclasses.asdict(self.workload),
+                "completions_per_step": self.workload.completions_per_step,
+            },
+            "warmup_steps": self.args.warmup,
+            "measured_steps": self.args.steps - self.args.warmup,
+            **{size: self.headline(size, row) for size, row in fp32.items()},
+            "tables": tables,
+            "learning": learning,
+        }
+
+    def headline(self, size: str, row: dict[str, Any]) -> dict[str, Any]:
+        config = self.configs[size]
+        return {
+            "parameters": sum(n_in * n_out for n_in, n_out in matmul_shapes(config))
+            + config["vocab_size"] * config["hidden_size"],
+            **{
+                key: row["headline"][key]
+                for key in (
+                    "completions_per_second",
+                    "peak_rss_bytes",
+                    "throughput_ratio",
+                    "memory_ratio",
+                    "compute_bound_fraction",
+                    "train_compute_bound_fraction",
+                )
+            },
+        }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.report_only:
+        report(json.loads(RESULTS.read_text()))
+        return 0
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    bench = Bench.prepare(args)
+    tables = bench.speed_tables()
+    learning = bench.learning_check()
+    results = bench.results(argv if argv is not None else sys.argv[1:], tables, learning)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {RESULTS.relative_to(REPO)}")

@@ -21,6 +21,7 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -191,7 +192,7 @@ def compute_bound(config: dict, rows: list[int]) -> dict:
     }
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -211,10 +212,11 @@ def main() -> None:
     parser.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
     args = parser.parse_args()
     args.rollout_set = [item for kv in args.rollout_set for item in ("--set", kv)]
+    return args
 
-    torch.set_num_threads(args.threads)
-    transformers_logging.disable_progress_bar()
-    work = REPO / "artifacts" / "bench-engine"
+
+def engine_model(work: Path) -> Path:
+    """The benchmark's ~25M-parameter Llama, created (seeded) on the first run."""
     model_dir = work / "llama-h512-l8-i1376"
     if not (model_dir / "config.json").exists():
         create_tiny_model(
@@ -226,54 +228,61 @@ def main() -> None:
             max_positions=256,
             seed=0,
         )
-    parameters = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_dir).parameters())
-    records = make_workload(np.random.default_rng(args.seed), args.prompts, args.group, args)
-    config = json.loads((model_dir / "config.json").read_text())
+    return model_dir
 
-    engine = functools.partial(rollout_generate, args.rollout, model_dir, records, args.group, args, work)
+
+def measure_repeat(
+    repeat: int, engine: Callable[..., dict], hf: Callable[[int], dict], records: list[dict], config: dict
+) -> dict:
+    """One repeat: HF `generate`, the engine and the engine without each ablated feature (the
+    ablations before the engine in even repeats, after it in odd ones), and the GEMM bound of
+    the engine's steps measured right after it, so that both see the machine in one state."""
+    baseline = hf(repeat)
 
     def ablations() -> dict[str, dict]:
         return {name: engine(overrides) for name, overrides in ABLATIONS.items()}
 
-    runs = []
-    for repeat in range(args.repeats):
-        hf = hf_generate(model_dir, records, args.group, args.batch_prompts, args.seed + repeat)
-        ablated = ablations() if repeat % 2 == 0 else {}
-        ours = engine()
-        ablated = ablated or ablations()
-        rows = rows_per_step(records, int(ours["engine/prompt_tokens_computed"]))
-        if len(rows) != ours["engine/steps"]:
-            print(f"note: {ours['engine/steps']} engine steps, the bound assumes {len(rows)}")
-        # Measured right after the engine's run, so that both see the machine in the same state.
-        bound = compute_bound(config, rows)
-        runs.append(
-            {
-                "hf_generate": hf,
-                "rollout": ours,
-                "speedup": ours["tokens_per_second"] / hf["tokens_per_second"],
-                **{f"rollout_without_{name}": run for name, run in ablated.items()},
-                **{
-                    f"{name}_speedup": ours["tokens_per_second"] / run["tokens_per_second"]
-                    for name, run in ablated.items()
-                },
-                "compute_bound": bound,
-                "compute_bound_fraction_per_query_token": bound["gemm_bound_seconds"]
-                / ours["engine/seconds"],
-                "compute_bound_fraction_at_peak_gemm": bound["peak_gemm_bound_seconds"]
-                / ours["engine/seconds"],
-            }
-        )
-        print(
-            f"repeat {repeat}: rollout {ours['tokens_per_second']:.0f} tok/s, "
-            f"hf generate {hf['tokens_per_second']:.0f} tok/s, x{runs[-1]['speedup']:.2f}, "
-            + "".join(f"without {name} {r['tokens_per_second']:.0f} tok/s, " for name, r in ablated.items())
-            + f"compute-bound fraction {runs[-1]['compute_bound_fraction_per_query_token']:.2f}",
-            flush=True,
-        )
-    best = max(runs, key=lambda r: r["speedup"])
-    median_speedup = float(np.median([r["speedup"] for r in runs]))
+    ablated = ablations() if repeat % 2 == 0 else {}
+    ours = engine()
+    ablated = ablated or ablations()
+    rows = rows_per_step(records, int(ours["engine/prompt_tokens_computed"]))
+    if len(rows) != ours["engine/steps"]:
+        print(f"note: {ours['engine/steps']} engine steps, the bound assumes {len(rows)}")
+    bound = compute_bound(config, rows)
+    run = {
+        "hf_generate": baseline,
+        "rollout": ours,
+        "speedup": ours["tokens_per_second"] / baseline["tokens_per_second"],
+        **{f"rollout_without_{name}": r for name, r in ablated.items()},
+        **{
+            f"{name}_speedup": ours["tokens_per_second"] / r["tokens_per_second"]
+            for name, r in ablated.items()
+        },
+        "compute_bound": bound,
+        "compute_bound_fraction_per_query_token": bound["gemm_bound_seconds"] / ours["engine/seconds"],
+        "compute_bound_fraction_at_peak_gemm": bound["peak_gemm_bound_seconds"] / ours["engine/seconds"],
+    }
+    print(
+        f"repeat {repeat}: rollout {ours['tokens_per_second']:.0f} tok/s, "
+        f"hf generate {baseline['tokens_per_second']:.0f} tok/s, x{run['speedup']:.2f}, "
+        + "".join(f"without {name} {r['tokens_per_second']:.0f} tok/s, " for name, r in ablated.items())
+        + f"compute-bound fraction {run['compute_bound_fraction_per_query_token']:.2f}",
+        flush=True,
+    )
+    return run
+
+
+def summarise(args: argparse.Namespace, records: list[dict], runs: list[dict], parameters: int) -> dict:
+    """`bench/results/engine.json`: medians over the repeats, the engine's own statistics from
+    its fastest repeat, and every run."""
+
+    def median(key: str) -> float:
+        return float(np.median([r[key] for r in runs]))
+
+    best = max(runs, key=lambda r: r["speedup"])["rollout"]
     budgets = [b for r in records for b in r["budgets"]]
-    summary = {
+    rows = rows_per_step(records, int(best["engine/prompt_tokens_computed"]))
+    return {
         "command": "bench/engine " + " ".join(sys.argv[3:]),
         "date": datetime.date.today().isoformat(),
         "machine": f"{cpu_model()} ({platform.machine()}), {torch.get_num_threads()} torch threads",
@@ -294,25 +303,38 @@ def main() -> None:
         "tokens_per_second_hf_generate": float(
             np.median([r["hf_generate"]["tokens_per_second"] for r in runs])
         ),
-        "speedup_vs_hf_generate": median_speedup,
-        **{f"{name}_speedup": float(np.median([r[f"{name}_speedup"] for r in runs])) for name in ABLATIONS},
-        "compute_bound_fraction_per_query_token": float(
-            np.median([r["compute_bound_fraction_per_query_token"] for r in runs])
-        ),
-        "compute_bound_fraction_at_peak_gemm": float(
-            np.median([r["compute_bound_fraction_at_peak_gemm"] for r in runs])
-        ),
+        "speedup_vs_hf_generate": median("speedup"),
+        **{f"{name}_speedup": median(f"{name}_speedup") for name in ABLATIONS},
+        "compute_bound_fraction_per_query_token": median("compute_bound_fraction_per_query_token"),
+        "compute_bound_fraction_at_peak_gemm": median("compute_bound_fraction_at_peak_gemm"),
         "query_tokens_per_run": int(sum(rows)),
         "steps_per_run": len(rows),
-        "overhead_fraction": best["rollout"].get("engine/overhead_fraction"),
-        "kv_utilisation": best["rollout"].get("engine/kv_utilisation_mean"),
-        "kv_occupancy": best["rollout"].get("engine/kv_occupancy_mean"),
+        "overhead_fraction": best.get("engine/overhead_fraction"),
+        "kv_utilisation": best.get("engine/kv_utilisation_mean"),
+        "kv_occupancy": best.get("engine/kv_occupancy_mean"),
         "prompt_tokens_computed_fraction": (
-            best["rollout"]["engine/prompt_tokens_computed"]
-            / best["rollout"]["engine/prompt_tokens_requested"]
+            best["engine/prompt_tokens_computed"] / best["engine/prompt_tokens_requested"]
         ),
         "runs": runs,
     }
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    transformers_logging.disable_progress_bar()
+    work = REPO / "artifacts" / "bench-engine"
+    model_dir = engine_model(work)
+    parameters = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_dir).parameters())
+    records = make_workload(np.random.default_rng(args.seed), args.prompts, args.group, args)
+    config = json.loads((model_dir / "config.json").read_text())
+    engine = functools.partial(rollout_generate, args.rollout, model_dir, records, args.group, args, work)
+
+    def hf(repeat: int) -> dict:
+        return hf_generate(model_dir, records, args.group, args.batch_prompts, args.seed + repeat)
+
+    runs = [measure_repeat(repeat, engine, hf, records, config) for repeat in range(args.repeats)]
+    summary = summarise(args, records, runs, parameters)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps({k: v for k, v in summary.items() if k != "runs"}, indent=2))
