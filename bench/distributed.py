@@ -21,7 +21,7 @@ import shutil
 import statistics
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -416,7 +416,68 @@ def controller_capacity() -> dict[str, Any]:
     return json.loads((REPO / "bench" / "results" / "distributed_controller.json").read_text())["summary"]
 
 
-PARTS = ("sync", "tail", "async", "controller")
+Figures = tuple[dict[str, Any], dict[str, Any]]
+
+
+def sync_part(work: Path, data: Path, quick: bool) -> Figures:
+    """The weight-sync rounds and the sync in the shipped settings: headline figures, details."""
+    print("weight sync: the ~25M model", flush=True)
+    small = work / "small"
+    SIZES["small"].create(small, seed=0)
+    bench = SyncBench(
+        work,
+        small,
+        data,
+        binary=cargo_example("weight_sync"),
+        layout=sync_layout(work, small),
+        repeats=3 if quick else 9,
+        steps=3 if quick else 12,
+    )
+    measured = bench.rounds(1 if quick else 3)
+    shipped = bench.shipped()
+    figures = {
+        **sync_results(measured),
+        "weight_sync_shipped_settings_pull_fraction_of_raw_chain": shipped["pull_fraction_of_raw_chain"],
+    }
+    return figures, {"sync_rounds": measured, "sync_shipped_settings": shipped}
+
+
+def tail_part(work: Path, data: Path, quick: bool) -> Figures:
+    print("step-time tail of configs/distributed.toml", flush=True)
+    tail = step_time_tail(work, steps=30 if quick else 150)
+    return {"step_seconds_p99_over_median": tail["p99_over_median"]}, {"step_time_tail": tail}
+
+
+def async_part(work: Path, data: Path, quick: bool) -> Figures:
+    print("asynchronous vs synchronous", flush=True)
+    model = warm_start(work, data)
+    throughput = async_throughput(work, model, data, steps=8 if quick else 20, repeats=1 if quick else 2)
+    learning = async_learning(work, model, data, steps=20 if quick else 100)
+    figures = {
+        "async_speedup_vs_sync": throughput["speedup"],
+        "async_learning_not_worse": learning["verdict"]["not_worse"],
+    }
+    return figures, {"throughput": throughput, "learning": learning}
+
+
+def controller_part(work: Path, data: Path, quick: bool) -> Figures:
+    print("controller capacity", flush=True)
+    capacity = controller_capacity()
+    # The hardest of the sweep: 64 workers, requests back to back; and the worst p99 of any
+    # worker count with 50k samples/s offered (bench/results/distributed_controller.json).
+    figures = {
+        "controller_samples_per_second": capacity["controller_samples_per_second"]["at_64_workers"],
+        "controller_p99_ms": capacity["controller_p99_ms"]["max_paced"],
+    }
+    return figures, {"controller": capacity}
+
+
+PARTS: dict[str, Callable[[Path, Path, bool], Figures]] = {
+    "sync": sync_part,
+    "tail": tail_part,
+    "async": async_part,
+    "controller": controller_part,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -436,63 +497,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
-    quick = args.quick
     data_dir = work / "data"
     write_addition_splits(data_dir, train=TRAIN_EXAMPLES, test=TEST_EXAMPLES, seed=0)
-    data = data_dir / "train.jsonl"
     results: dict[str, Any] = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     details = results.setdefault("details", {})
     results["machine"] = {"cpus": os.cpu_count(), "cpu_model": cpu_model()}
-
-    if "sync" in parts:
-        print("weight sync: the ~25M model", flush=True)
-        small = work / "small"
-        SIZES["small"].create(small, seed=0)
-        bench = SyncBench(
-            work,
-            small,
-            data,
-            binary=cargo_example("weight_sync"),
-            layout=sync_layout(work, small),
-            repeats=3 if quick else 9,
-            steps=3 if quick else 12,
-        )
-        measured = bench.rounds(1 if quick else 3)
-        results.update(sync_results(measured))
-        shipped = bench.shipped()
-        results["weight_sync_shipped_settings_pull_fraction_of_raw_chain"] = shipped[
-            "pull_fraction_of_raw_chain"
-        ]
-        details.pop("transport", None)
-        details.pop("end_to_end", None)
-        details["sync_rounds"] = measured
-        details["sync_shipped_settings"] = shipped
-
-    if "tail" in parts:
-        print("step-time tail of configs/distributed.toml", flush=True)
-        tail = step_time_tail(work, steps=30 if quick else 150)
-        results["step_seconds_p99_over_median"] = tail["p99_over_median"]
-        details["step_time_tail"] = tail
-
-    if "async" in parts:
-        print("asynchronous vs synchronous", flush=True)
-        model = warm_start(work, data)
-        throughput = async_throughput(work, model, data, steps=8 if quick else 20, repeats=1 if quick else 2)
-        learning = async_learning(work, model, data, steps=20 if quick else 100)
-        results["async_speedup_vs_sync"] = throughput["speedup"]
-        results["async_learning_not_worse"] = learning["verdict"]["not_worse"]
-        details.update({"throughput": throughput, "learning": learning})
-
-    if "controller" in parts:
-        print("controller capacity", flush=True)
-        capacity = controller_capacity()
-        # The hardest of the sweep: 64 workers, requests back to back; and the worst p99 of
-        # any worker count with 50k samples/s offered (bench/results/distributed_controller.json).
-        results["controller_samples_per_second"] = capacity["controller_samples_per_second"]["at_64_workers"]
-        results["controller_p99_ms"] = capacity["controller_p99_ms"]["max_paced"]
-        details["controller"] = capacity
-
-    results["details"] = details
+    for name, measure in PARTS.items():
+        if name in parts:
+            figures, part_details = measure(work, data_dir / "train.jsonl", args.quick)
+            results.update(figures)
+            details.update(part_details)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
     summary = {k: v for k, v in results.items() if k != "details"}
