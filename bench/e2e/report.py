@@ -71,9 +71,19 @@ def headline(pairs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def markdown(results: Mapping[str, Any]) -> str:
+    lines = _machine_lines(results)
+    for precision, table in results["tables"].items():
+        lines += _precision_lines(results, precision, table)
+    learning = results.get("learning")
+    if learning:
+        lines += _learning_lines(results, learning)
+    return "\n".join(lines)
+
+
+def _machine_lines(results: Mapping[str, Any]) -> list[str]:
     all_limits = results["machine"]["limits"]
     any_limits = next(iter(all_limits.values()))
-    lines = [
+    return [
         f"Measured {results['date']} on {results['machine']['cpu']} ({results['machine']['cores']} cores), "
         f"torch {results['versions']['torch']}, transformers {results['versions']['transformers']}, "
         f"TRL {results['versions']['trl']}, {results['workload']['threads']} torch threads in both. "
@@ -86,71 +96,75 @@ def markdown(results: Mapping[str, Any]) -> str:
         f"only imported torch: {_mib(results['machine']['import_torch_rss_bytes'])}.",
         "",
     ]
-    for precision, table in results["tables"].items():
-        lines += [
-            f"**{precision}** (medians over {results['measured_steps']} steps after "
-            f"{results['warmup_steps']} warm-up steps; ratio = Rollout / TRL, one per repeat)",
-            "",
-            "| model | KL | completions/s Rollout | TRL | ratio | tokens/s ratio "
-            "| peak RSS Rollout | TRL | ratio | ratio above torch "
-            "| compute-bound fraction Rollout | TRL | training phase Rollout | TRL |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        floor = results["machine"]["import_torch_rss_bytes"]
-        for row in table:
-            h = row["headline"]
-            rss = h["peak_rss_bytes"]
+
+
+def _precision_lines(results: Mapping[str, Any], precision: str, table: list[dict[str, Any]]) -> list[str]:
+    """A precision's headline table (one row per model and KL value) and its phase table."""
+    lines = [
+        f"**{precision}** (medians over {results['measured_steps']} steps after "
+        f"{results['warmup_steps']} warm-up steps; ratio = Rollout / TRL, one per repeat)",
+        "",
+        "| model | KL | completions/s Rollout | TRL | ratio | tokens/s ratio "
+        "| peak RSS Rollout | TRL | ratio | ratio above torch "
+        "| compute-bound fraction Rollout | TRL | training phase Rollout | TRL |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    floor = results["machine"]["import_torch_rss_bytes"]
+    for row in table:
+        h = row["headline"]
+        rss = h["peak_rss_bytes"]
+        lines.append(
+            f"| {row['size']} | {row['kl_coef']:g} "
+            f"| {h['completions_per_second']['rollout']:.0f} | {h['completions_per_second']['trl']:.0f} "
+            f"| **{h['throughput_ratio']:.2f}x** ({_list(h['throughput_ratio_per_repeat'])}) "
+            f"| {h['generated_tokens_ratio']:.2f}x "
+            f"| {_mib(rss['rollout'])} | {_mib(rss['trl'])} "
+            f"| **{h['memory_ratio']:.2f}x** ({_list(h['memory_ratio_per_repeat'])}) "
+            f"| {ratio(rss['rollout'] - floor, rss['trl'] - floor):.2f}x "
+            f"| {h['compute_bound_fraction']['rollout']:.2f} | {h['compute_bound_fraction']['trl']:.2f} "
+            f"| {h['train_compute_bound_fraction']['rollout']:.2f} "
+            f"| {h['train_compute_bound_fraction']['trl']:.2f} |"
+        )
+    lines += ["", "Seconds per step by phase, median (first repeat):", ""]
+    lines += [
+        "| model | KL | framework | " + " | ".join(PHASES) + " | step |",
+        "|---|---|---|" + "---|" * 7,
+    ]
+    for row in table:
+        for fw in ("rollout", "trl"):
+            run = row["pairs"][0][fw]
+            phases = " | ".join(f"{run['phase_seconds'][name]:.3f}" for name in PHASES)
             lines.append(
-                f"| {row['size']} | {row['kl_coef']:g} "
-                f"| {h['completions_per_second']['rollout']:.0f} | {h['completions_per_second']['trl']:.0f} "
-                f"| **{h['throughput_ratio']:.2f}x** ({_list(h['throughput_ratio_per_repeat'])}) "
-                f"| {h['generated_tokens_ratio']:.2f}x "
-                f"| {_mib(rss['rollout'])} | {_mib(rss['trl'])} "
-                f"| **{h['memory_ratio']:.2f}x** ({_list(h['memory_ratio_per_repeat'])}) "
-                f"| {ratio(rss['rollout'] - floor, rss['trl'] - floor):.2f}x "
-                f"| {h['compute_bound_fraction']['rollout']:.2f} | {h['compute_bound_fraction']['trl']:.2f} "
-                f"| {h['train_compute_bound_fraction']['rollout']:.2f} "
-                f"| {h['train_compute_bound_fraction']['trl']:.2f} |"
+                f"| {row['size']} | {row['kl_coef']:g} | {fw} | {phases} | {run['step_seconds']:.3f} |"
             )
-        lines += ["", "Seconds per step by phase, median (first repeat):", ""]
-        lines += [
-            "| model | KL | framework | " + " | ".join(PHASES) + " | step |",
-            "|---|---|---|" + "---|" * 7,
-        ]
-        for row in table:
-            for fw in ("rollout", "trl"):
-                run = row["pairs"][0][fw]
-                phases = " | ".join(f"{run['phase_seconds'][name]:.3f}" for name in PHASES)
-                lines.append(
-                    f"| {row['size']} | {row['kl_coef']:g} | {fw} | {phases} | {run['step_seconds']:.3f} |"
-                )
-        lines.append("")
-    learning = results.get("learning")
-    if learning:
-        lines += [
-            "Learning check: both from the same warm-started checkpoint, KL 0, fp32, "
-            + ", ".join(f"{size} {steps} steps" for size, steps in learning["steps"].items())
-            + f" of {results['workload']['completions_per_step']} completions. Mean exact-match reward:",
-            "",
-            "| model | framework | first 10 steps | last 10 steps | second half | whole run |",
-            "|---|---|---|---|---|---|",
-        ]
-        for size, curves in learning["curves"].items():
-            for fw in ("rollout", "trl"):
-                c = curves[fw]
-                lines.append(
-                    f"| {size} | {fw} | {statistics.fmean(c[:10]):.3f} | {statistics.fmean(c[-10:]):.3f} "
-                    f"| {statistics.fmean(c[len(c) // 2 :]):.3f} | {statistics.fmean(c):.3f} |"
-                )
-        lines.append("")
-        for size, verdict in learning["verdicts"].items():
+    lines.append("")
+    return lines
+
+
+def _learning_lines(results: Mapping[str, Any], learning: Mapping[str, Any]) -> list[str]:
+    lines = [
+        "Learning check: both from the same warm-started checkpoint, KL 0, fp32, "
+        + ", ".join(f"{size} {steps} steps" for size, steps in learning["steps"].items())
+        + f" of {results['workload']['completions_per_step']} completions. Mean exact-match reward:",
+        "",
+        "| model | framework | first 10 steps | last 10 steps | second half | whole run |",
+        "|---|---|---|---|---|---|",
+    ]
+    for size, curves in learning["curves"].items():
+        for fw in ("rollout", "trl"):
+            c = curves[fw]
             lines.append(
-                f"- {size}: Rollout - TRL over the second half {verdict['difference']:+.3f} "
-                f"(standard error {verdict['standard_error']:.3f}): "
-                + ("not worse." if verdict["not_worse"] else "**worse** (by more than two standard errors).")
+                f"| {size} | {fw} | {statistics.fmean(c[:10]):.3f} | {statistics.fmean(c[-10:]):.3f} "
+                f"| {statistics.fmean(c[len(c) // 2 :]):.3f} | {statistics.fmean(c):.3f} |"
             )
-        lines += ["", f"![reward curves](./{PLOT.name})", ""]
-    return "\n".join(lines)
+    lines.append("")
+    for size, verdict in learning["verdicts"].items():
+        lines.append(
+            f"- {size}: Rollout - TRL over the second half {verdict['difference']:+.3f} "
+            f"(standard error {verdict['standard_error']:.3f}): "
+            + ("not worse." if verdict["not_worse"] else "**worse** (by more than two standard errors).")
+        )
+    return [*lines, "", f"![reward curves](./{PLOT.name})", ""]
 
 
 def _mib(value: float) -> str:
