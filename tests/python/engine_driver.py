@@ -102,11 +102,31 @@ class EngineDriver:
         return sequence.blocks[position // size] * size + position % size
 
     def _step(self, sequences: list[_Sequence]) -> list[_Sequence]:
-        options = self.options
-        budget = options.token_budget if options.token_budget is not None else 1 << 30
+        scheduled = self._schedule(sequences)
+        step, rows, copies = self._engine_step(scheduled)
+        output = self.policy.engine_step(step)
+        self.stats.copies += len(copies)
+        for sequence, fed, _ in scheduled:
+            sequence.computed += fed
+        emitted: dict[int, list[int]] = {}
+        for row, (index, sample, drafts) in enumerate(rows):
+            count = int(output.counts[row])
+            self.stats.drafted += drafts
+            self.stats.accepted += count - 1
+            tokens = [int(t) for t in output.tokens[row, :count]]
+            emitted[sample] = self._record(sample, tokens, [float(x) for x in output.logprobs[row, :count]])
+            sequence = scheduled[index][0]
+            if len(sequence.samples) == 1:
+                sequence.computed += count - 1  # accepted drafts are in the cache
+        return self._survivors(sequences, emitted)
+
+    def _schedule(self, sequences: list[_Sequence]) -> list[tuple[_Sequence, int, list[int]]]:
+        """This step's sequences, each with the tokens it feeds and its drafts: every decode,
+        then prefills while the token budget lasts."""
+        budget = self.options.token_budget if self.options.token_budget is not None else 1 << 30
         decodes = [s for s in sequences if not s.prefilling]
         prefills = [s for s in sequences if s.prefilling]
-        scheduled: list[tuple[_Sequence, int, list[int]]] = []  # sequence, fed tokens, drafts
+        scheduled: list[tuple[_Sequence, int, list[int]]] = []
         for sequence in decodes:
             drafts = self._drafts(sequence)
             scheduled.append((sequence, 1, drafts))
@@ -118,13 +138,20 @@ class EngineDriver:
             scheduled.append((sequence, count, []))
             budget -= count
         self.stats.mixed_steps += bool(decodes) and any(s.prefilling for s, _, _ in scheduled)
+        return scheduled
 
+    def _engine_step(
+        self, scheduled: list[tuple[_Sequence, int, list[int]]]
+    ) -> tuple[EngineStep, list[tuple[int, int, int]], list[tuple[int, int]]]:
+        """The step's arrays, its sampled rows (sequence index, sample, drafts) and the KV
+        copies it carries."""
+        options = self.options
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         query_start = [0]
         contexts: list[list[int]] = []
-        rows: list[tuple[int, int, int]] = []  # sequence index, sample, drafts
+        rows: list[tuple[int, int, int]] = []
         copies: list[tuple[int, int]] = []
         for index, (sequence, fed, drafts) in enumerate(scheduled):
             end = sequence.computed + fed + len(drafts)
@@ -162,21 +189,11 @@ class EngineDriver:
             copy_to=np.asarray([target for _, target in copies], dtype=np.int64),
             draft_with_model=options.drafter is None and max_drafts > 0,
         )
-        output = self.policy.engine_step(step)
-        self.stats.copies += len(copies)
+        return step, rows, copies
 
-        for sequence, fed, _ in scheduled:
-            sequence.computed += fed
-        emitted: dict[int, list[int]] = {}
-        for row, (index, sample, drafts) in enumerate(rows):
-            count = int(output.counts[row])
-            self.stats.drafted += drafts
-            self.stats.accepted += count - 1
-            tokens = [int(t) for t in output.tokens[row, :count]]
-            emitted[sample] = self._record(sample, tokens, [float(x) for x in output.logprobs[row, :count]])
-            sequence = scheduled[index][0]
-            if len(sequence.samples) == 1:
-                sequence.computed += count - 1  # accepted drafts are in the cache
+    def _survivors(self, sequences: list[_Sequence], emitted: dict[int, list[int]]) -> list[_Sequence]:
+        """The sequences that go on after this step (a sampled group forks into its samples);
+        a finished one's own blocks go back to the free list."""
         survivors: list[_Sequence] = []
         for sequence in sequences:
             if sequence.samples[0] not in emitted:  # not sampled in this step
