@@ -320,57 +320,42 @@ def run_cluster(
         ],
     )
     controller.wait_for_log(rf"listening on {re.escape(controller_address)}", START_SECONDS)
-    trainer_env = {
+    trainers = [spawn_trainer(net, controller_address, rank) for rank in range(2)]
+    workers = []
+    for index in range(2):
+        port = PROXY_PORT if index in proxied_workers else CONTROLLER_PORT
+        workers.append(spawn_worker(net, f"{net.ctl.address}:{port}", index))
+    run = Run(controller, workers, trainers, proxy, tmp_path / "out")
+    wait_for_run(net, run)
+    return run
+
+
+def spawn_trainer(net: Network, controller_address: str, rank: int) -> Role:
+    """Trainer rank `rank` of two on `train`, its gloo group on that node's interface."""
+    env = {
         "MASTER_ADDR": net.train.address,
         "MASTER_PORT": str(MASTER_PORT),
         # gloo would otherwise pick the interface of the host name, which is not in this node.
         "GLOO_SOCKET_IFNAME": "eth0",
     }
-    trainers = [
-        net.spawn(
-            net.train,
-            f"trainer-{rank}",
-            [
-                str(ROLLOUT),
-                "trainer",
-                "--connect",
-                controller_address,
-                "--name",
-                f"trainer-{rank}",
-                "--rank",
-                str(rank),
-                "--world-size",
-                "2",
-                "--listen",
-                f"{net.train.address}:0",
-            ],
-            env=trainer_env,
-        )
-        for rank in range(2)
-    ]
-    workers = []
-    for index in range(2):
-        port = PROXY_PORT if index in proxied_workers else CONTROLLER_PORT
-        workers.append(
-            net.spawn(
-                net.gen,
-                f"gen-{index}",
-                [
-                    str(ROLLOUT),
-                    "worker",
-                    "--connect",
-                    f"{net.ctl.address}:{port}",
-                    "--name",
-                    f"gen-{index}",
-                    "--listen",
-                    f"{net.gen.address}:0",
-                ],
-            )
-        )
-    run = Run(controller, workers, trainers, proxy, tmp_path / "out")
+    name = f"trainer-{rank}"
+    command = [str(ROLLOUT), "trainer", "--connect", controller_address, "--name", name]
+    command += ["--rank", str(rank), "--world-size", "2", "--listen", f"{net.train.address}:0"]
+    return net.spawn(net.train, name, command, env=env)
+
+
+def spawn_worker(net: Network, connect: str, index: int) -> Role:
+    name = f"gen-{index}"
+    command = [str(ROLLOUT), "worker", "--connect", connect, "--name", name]
+    return net.spawn(net.gen, name, [*command, "--listen", f"{net.gen.address}:0"])
+
+
+def wait_for_run(net: Network, run: Run) -> None:
+    """Waits for the controller to exit (noting each role's namespace once the trainer ranks
+    have joined), then for every other role, each wait bounded."""
     deadline = time.monotonic() + RUN_SECONDS
-    while controller.process.poll() is None:
-        if not run.namespaces and "trainer ranks joined" in controller.stderr:
+    while run.controller.process.poll() is None:
+        if not run.namespaces and "trainer ranks joined" in run.controller.stderr:
             run.namespaces = {
                 role.label: role.netns_inode() for role in run.roles if role.process.poll() is None
             }
@@ -378,14 +363,13 @@ def run_cluster(
             pytest.fail(f"the run did not finish within {RUN_SECONDS} s\n{net.report()}")
         time.sleep(0.2)
     exit_deadline = time.monotonic() + EXIT_SECONDS
-    for role in [*workers, *trainers]:
+    for role in [*run.workers, *run.trainers]:
         try:
             role.process.wait(timeout=max(0.0, exit_deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pytest.fail(
                 f"{role.label} still ran {EXIT_SECONDS} s after the controller exited\n{net.report()}"
             )
-    return run
 
 
 def assert_no_panic(net: Network) -> None:
