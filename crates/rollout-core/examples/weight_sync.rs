@@ -167,12 +167,39 @@ struct Worker {
     limits: LinkLimits,
 }
 
+/// A trainer store and `count` worker stores, each serving on loopback.
+struct Chain {
+    trainer: WeightStore,
+    trainer_addr: String,
+    workers: Vec<Worker>,
+}
+
+impl Chain {
+    async fn start(count: usize, key: &ClusterKey) -> Chain {
+        let trainer = WeightStore::default();
+        let trainer_addr = serve(&trainer, key, "trainer").await;
+        let mut workers = Vec::new();
+        for index in 0..count {
+            let store = WeightStore::default();
+            let addr = serve(&store, key, &format!("worker-{index}")).await;
+            workers.push(Worker {
+                store,
+                addr,
+                limits: LinkLimits::default(),
+            });
+        }
+        Chain {
+            trainer,
+            trainer_addr,
+            workers,
+        }
+    }
+}
+
 /// One sync of `version` along trainer -> worker 0 -> ... ; returns the seconds until every
 /// worker has verified the whole version, and the CPU seconds the process spent meanwhile.
 async fn sync(
-    trainer: &WeightStore,
-    workers: &[Worker],
-    trainer_addr: &str,
+    chain: &Chain,
     key: &ClusterKey,
     version: u64,
     weights: &[TensorBytes],
@@ -180,20 +207,25 @@ async fn sync(
 ) -> (f64, f64) {
     // The version before is retired first, as a trainer does before it exports the next one:
     // its allocations are not freed inside the timed sync.
+    let Chain {
+        trainer,
+        trainer_addr,
+        workers,
+    } = chain;
     drop(trainer.retire());
     let buffer = VersionBuffer::from_tensors(version, weights, bucket_bytes).unwrap();
     let report = WeightsReport {
         version,
         checksum: buffer.checksum(),
         bytes: buffer.bytes(),
-        source: trainer_addr.into(),
+        source: trainer_addr.clone(),
         holder: "trainer".into(),
     };
     let cpu_before = process_cpu_seconds();
     let started = Instant::now();
     trainer.publish(Arc::new(buffer));
     let mut pulls = Vec::new();
-    let mut source = trainer_addr.to_owned();
+    let mut source = trainer_addr.clone();
     for (index, worker) in workers.iter().enumerate() {
         let (store, limits, key, report, from) = (
             worker.store.clone(),
@@ -242,6 +274,95 @@ fn median(values: &mut [f64]) -> f64 {
     values[values.len() / 2]
 }
 
+/// What the repeats at one worker count measured: the syncs and, between them, the three
+/// baselines, so that all see the same machine.
+#[derive(Default)]
+struct Samples {
+    raw_loopback: Vec<f64>,
+    raw_chain: Vec<f64>,
+    raw_chain_cpu_seconds: Vec<f64>,
+    raw_chain_kept: Vec<f64>,
+    sync_seconds: Vec<f64>,
+    sync_cpu_seconds: Vec<f64>,
+    trainer_egress_bytes: u64,
+}
+
+/// `repeats` rounds of the baselines and one sync each at `count` workers; `version` is the
+/// last version synced before, and afterwards the last one synced here.
+async fn measure(
+    count: usize,
+    weights: &[TensorBytes],
+    key: &ClusterKey,
+    bucket_bytes: u64,
+    repeats: usize,
+    version: &mut u64,
+) -> Samples {
+    let chain = Chain::start(count, key).await;
+    let model_bytes: usize = weights.iter().map(|t| t.data.len()).sum();
+    // Faulted in before the first run, as a worker's pool is after its first sync.
+    let mut kept: Vec<Vec<u8>> = (0..count).map(|_| vec![1u8; model_bytes]).collect();
+    let mut samples = Samples::default();
+    for _ in 0..repeats {
+        samples.raw_loopback.push(raw_loopback(model_bytes).await);
+        let cpu_before = process_cpu_seconds();
+        samples.raw_chain.push(raw_chain(model_bytes, count).await);
+        samples
+            .raw_chain_cpu_seconds
+            .push(process_cpu_seconds() - cpu_before);
+        let (kept_rate, returned) = raw_chain_kept(weights, kept).await;
+        samples.raw_chain_kept.push(kept_rate);
+        kept = returned;
+        *version += 1;
+        let sent_before = chain.trainer.sent_bytes.load(Ordering::Relaxed);
+        let (wall, cpu) = sync(&chain, key, *version, weights, bucket_bytes).await;
+        samples.sync_seconds.push(wall);
+        samples.sync_cpu_seconds.push(cpu);
+        samples.trainer_egress_bytes +=
+            chain.trainer.sent_bytes.load(Ordering::Relaxed) - sent_before;
+    }
+    samples
+}
+
+impl Samples {
+    /// The JSON row of one worker count (medians over the repeats), logged on stderr too.
+    fn row(mut self, count: usize, model_bytes: u64, bucket_bytes: u64) -> serde_json::Value {
+        let repeats = self.sync_seconds.len() as u64;
+        let cpu_median = median(&mut self.sync_cpu_seconds);
+        let raw_chain_cpu_median = median(&mut self.raw_chain_cpu_seconds);
+        let raw = median(&mut self.raw_loopback);
+        let raw_chain = median(&mut self.raw_chain);
+        let kept_chain = median(&mut self.raw_chain_kept);
+        let seconds = self.sync_seconds.clone();
+        let median = median(&mut self.sync_seconds);
+        let delivered = model_bytes as f64 / median;
+        eprintln!(
+            "{count} workers: {median:.3} s per sync, {:.2} GB/s to the last worker, {cpu_median:.3} CPU s; raw loopback {:.2} GB/s, raw relay chain {:.2} GB/s, {raw_chain_cpu_median:.3} CPU s, keeping the model's bytes {:.2} GB/s",
+            delivered / 1e9,
+            raw / 1e9,
+            raw_chain / 1e9,
+            kept_chain / 1e9
+        );
+        serde_json::json!({
+            "workers": count,
+            "model_bytes": model_bytes,
+            "bucket_bytes": bucket_bytes,
+            "seconds": seconds,
+            "raw_loopback_samples": self.raw_loopback,
+            "seconds_median": median,
+            "bytes_per_second": delivered,
+            "raw_loopback_bytes_per_second": raw,
+            "fraction_of_loopback": delivered / raw,
+            "raw_relay_chain_bytes_per_second": raw_chain,
+            "fraction_of_raw_relay_chain": delivered / raw_chain,
+            "raw_relay_chain_kept_bytes_per_second": kept_chain,
+            "fraction_of_raw_relay_chain_kept": delivered / kept_chain,
+            "trainer_egress_per_model_bytes": self.trainer_egress_bytes as f64 / (repeats * model_bytes) as f64,
+            "cpu_seconds_median": cpu_median,
+            "raw_relay_chain_cpu_seconds_median": raw_chain_cpu_median,
+        })
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let layout: Vec<(String, Vec<u64>)> =
@@ -261,77 +382,8 @@ fn main() {
         let mut rows = Vec::new();
         let mut version = 0;
         for &count in &counts {
-            let trainer = WeightStore::default();
-            let trainer_addr = serve(&trainer, &key, "trainer").await;
-            let mut workers = Vec::new();
-            for index in 0..count {
-                let store = WeightStore::default();
-                let addr = serve(&store, &key, &format!("worker-{index}")).await;
-                workers.push(Worker {
-                    store,
-                    addr,
-                    limits: LinkLimits::default(),
-                });
-            }
-            // The baselines are measured between the syncs, so all three see the same machine.
-            let mut raws = Vec::new();
-            let mut raw_relays = Vec::new();
-            let mut kept_relays = Vec::new();
-            // Faulted in before the first run, as a worker's pool is after its first sync.
-            let mut kept: Vec<Vec<u8>> = (0..count).map(|_| vec![1u8; model_bytes as usize]).collect();
-            let mut seconds = Vec::new();
-            let mut egress_bytes = 0;
-            let (mut cpu_seconds, mut raw_relay_cpu_seconds) = (Vec::new(), Vec::new());
-            for _ in 0..repeats {
-                raws.push(raw_loopback(model_bytes as usize).await);
-                let cpu_before = process_cpu_seconds();
-                raw_relays.push(raw_chain(model_bytes as usize, count).await);
-                raw_relay_cpu_seconds.push(process_cpu_seconds() - cpu_before);
-                let (kept_rate, returned) = raw_chain_kept(&weights, kept).await;
-                kept_relays.push(kept_rate);
-                kept = returned;
-                version += 1;
-                let sent_before = trainer.sent_bytes.load(Ordering::Relaxed);
-                let (wall, cpu) =
-                    sync(&trainer, &workers, &trainer_addr, &key, version, &weights, bucket_bytes).await;
-                seconds.push(wall);
-                cpu_seconds.push(cpu);
-                egress_bytes += trainer.sent_bytes.load(Ordering::Relaxed) - sent_before;
-            }
-            let cpu_median = median(&mut cpu_seconds);
-            let raw_relay_cpu_median = median(&mut raw_relay_cpu_seconds);
-            let raw = median(&mut raws);
-            let raw_relay = median(&mut raw_relays);
-            let kept_relay = median(&mut kept_relays);
-            let median = median(&mut seconds);
-            let delivered = model_bytes as f64 / median;
-            eprintln!(
-                "{count} workers: {median:.3} s per sync, {:.2} GB/s to the last worker, {:.3} CPU s; raw loopback {:.2} GB/s, raw relay chain {:.2} GB/s, {:.3} CPU s, keeping the model's bytes {:.2} GB/s",
-                delivered / 1e9,
-                cpu_median,
-                raw / 1e9,
-                raw_relay / 1e9,
-                raw_relay_cpu_median,
-                kept_relay / 1e9
-            );
-            rows.push(serde_json::json!({
-                "workers": count,
-                "model_bytes": model_bytes,
-                "bucket_bytes": bucket_bytes,
-                "seconds": seconds,
-                "raw_loopback_samples": raws,
-                "seconds_median": median,
-                "bytes_per_second": delivered,
-                "raw_loopback_bytes_per_second": raw,
-                "fraction_of_loopback": delivered / raw,
-                "raw_relay_chain_bytes_per_second": raw_relay,
-                "fraction_of_raw_relay_chain": delivered / raw_relay,
-                "raw_relay_chain_kept_bytes_per_second": kept_relay,
-                "fraction_of_raw_relay_chain_kept": delivered / kept_relay,
-                "trainer_egress_per_model_bytes": egress_bytes as f64 / (repeats as u64 * model_bytes) as f64,
-                "cpu_seconds_median": cpu_median,
-                "raw_relay_chain_cpu_seconds_median": raw_relay_cpu_median,
-            }));
+            let samples = measure(count, &weights, &key, bucket_bytes, repeats, &mut version).await;
+            rows.push(samples.row(count, model_bytes, bucket_bytes));
         }
         serde_json::json!({ "transport": rows })
     });
