@@ -456,6 +456,70 @@ async fn probe_one_worker(client: &RpcClient, share: &GenerateRequest) -> Vec<f6
     millis
 }
 
+/// The measured window of one configuration: the requests that finished in it, the
+/// latencies (ms, sorted) of those that also started in it, and the CPU each side spent.
+struct Window {
+    requests: usize,
+    samples: usize,
+    latencies_ms: Vec<f64>,
+    seconds: f64,
+    controller_cpu: f64,
+    worker_cpu: f64,
+    load: Option<f64>,
+}
+
+/// Loads `remote` with `template` as `shape` says through the warm-up and the window.
+async fn load_window(
+    remote: &Arc<RemoteWorkers>,
+    template: &GenerateRequest,
+    shape: Shape,
+    settings: &Settings,
+) -> Window {
+    let begin = Instant::now();
+    let warm_until = begin + Duration::from_secs_f64(settings.warmup);
+    let stop_at = warm_until + Duration::from_secs_f64(settings.seconds);
+    let drivers: Vec<_> = match shape.rate {
+        None => (0..shape.in_flight)
+            .map(|_| tokio::spawn(drive(remote.clone(), template.clone(), stop_at)))
+            .collect(),
+        Some(rate) => vec![tokio::spawn(pace(
+            remote.clone(),
+            template.clone(),
+            rate,
+            shape.in_flight,
+            stop_at,
+        ))],
+    };
+    tokio::time::sleep_until(warm_until.into()).await;
+    let cpu_before = thread_cpu();
+    let window_start = Instant::now();
+    tokio::time::sleep_until(stop_at.into()).await;
+    let cpu_after = thread_cpu();
+    let seconds = window_start.elapsed().as_secs_f64();
+    let load = load_average();
+    let mut finished = Vec::new();
+    for driver in drivers {
+        finished.extend(driver.await.expect("a driver"));
+    }
+    let (controller_cpu, worker_cpu) = cpu_split(&cpu_before, &cpu_after);
+    finished.retain(|f| f.finished >= window_start && f.finished <= stop_at);
+    let mut latencies_ms: Vec<f64> = finished
+        .iter()
+        .filter(|f| f.started >= window_start)
+        .map(|f| (f.finished - f.started).as_secs_f64() * 1e3)
+        .collect();
+    latencies_ms.sort_by(f64::total_cmp);
+    Window {
+        requests: finished.len(),
+        samples: finished.iter().map(|f| f.samples).sum(),
+        latencies_ms,
+        seconds,
+        controller_cpu,
+        worker_cpu,
+        load,
+    }
+}
+
 async fn measure(
     settings: &Settings,
     sim: &Handle,
@@ -479,45 +543,7 @@ async fn measure(
         .expect("json")
         .len();
 
-    let begin = Instant::now();
-    let warm_until = begin + Duration::from_secs_f64(settings.warmup);
-    let stop_at = warm_until + Duration::from_secs_f64(settings.seconds);
-    let drivers: Vec<_> = match shape.rate {
-        None => (0..shape.in_flight)
-            .map(|_| tokio::spawn(drive(remote.clone(), template.clone(), stop_at)))
-            .collect(),
-        Some(rate) => vec![tokio::spawn(pace(
-            remote.clone(),
-            template.clone(),
-            rate,
-            shape.in_flight,
-            stop_at,
-        ))],
-    };
-    tokio::time::sleep_until(warm_until.into()).await;
-    let cpu_before = thread_cpu();
-    let window_start = Instant::now();
-    tokio::time::sleep_until(stop_at.into()).await;
-    let cpu_after = thread_cpu();
-    let window = window_start.elapsed().as_secs_f64();
-    let load = load_average();
-    let mut finished = Vec::new();
-    for driver in drivers {
-        finished.extend(driver.await.expect("a driver"));
-    }
-    let (controller_cpu, worker_cpu) = cpu_split(&cpu_before, &cpu_after);
-
-    let in_window: Vec<&Finished> = finished
-        .iter()
-        .filter(|f| f.finished >= window_start && f.finished <= stop_at)
-        .collect();
-    let samples: usize = in_window.iter().map(|f| f.samples).sum();
-    let mut latencies: Vec<f64> = in_window
-        .iter()
-        .filter(|f| f.started >= window_start)
-        .map(|f| (f.finished - f.started).as_secs_f64() * 1e3)
-        .collect();
-    latencies.sort_by(f64::total_cmp);
+    let window = load_window(&remote, &template, shape, settings).await;
 
     // One worker alone, with the share a worker receives in this configuration.
     let share_prompts = shape.prompts.div_ceil(workers);
@@ -527,12 +553,13 @@ async fn measure(
     drop(first);
     drop(remote);
 
-    let samples_per_second = samples as f64 / window;
-    let per_sample_us = if samples > 0 {
-        controller_cpu / samples as f64 * 1e6
+    let samples_per_second = window.samples as f64 / window.seconds;
+    let per_sample_us = if window.samples > 0 {
+        window.controller_cpu / window.samples as f64 * 1e6
     } else {
         f64::NAN
     };
+    let latencies = &window.latencies_ms;
     json!({
         "workers": workers,
         "prompts_per_request": shape.prompts,
@@ -542,15 +569,15 @@ async fn measure(
         "mode": if shape.rate.is_some() { "paced" } else { "back_to_back" },
         "offered_samples_per_second": shape.rate,
         "samples_per_second": number(samples_per_second, 1),
-        "requests_per_second": number(in_window.len() as f64 / window, 1),
-        "p50_ms": number(percentile(&latencies, 0.50), 3),
-        "p99_ms": number(percentile(&latencies, 0.99), 3),
+        "requests_per_second": number(window.requests as f64 / window.seconds, 1),
+        "p50_ms": number(percentile(latencies, 0.50), 3),
+        "p99_ms": number(percentile(latencies, 0.99), 3),
         "max_ms": number(latencies.last().copied().unwrap_or(f64::NAN), 3),
-        "requests": in_window.len(),
-        "samples": samples,
-        "seconds": number(window, 3),
-        "controller_cpu_seconds": number(controller_cpu, 3),
-        "worker_cpu_seconds": number(worker_cpu, 3),
+        "requests": window.requests,
+        "samples": window.samples,
+        "seconds": number(window.seconds, 3),
+        "controller_cpu_seconds": number(window.controller_cpu, 3),
+        "worker_cpu_seconds": number(window.worker_cpu, 3),
         "controller_cpu_us_per_sample": number(per_sample_us, 3),
         "controller_cpu_bound_samples_per_second": number(1e6 / per_sample_us, 1),
         "request_json_bytes": request_bytes,
@@ -559,7 +586,7 @@ async fn measure(
         "worker_rpc_calls": rpc.len(),
         "worker_rpc_p50_ms": number(percentile(&rpc, 0.50), 3),
         "worker_rpc_p99_ms": number(percentile(&rpc, 0.99), 3),
-        "load_average_1m": load,
+        "load_average_1m": window.load,
     })
 }
 
@@ -570,6 +597,39 @@ fn runtime(name: &str, threads: usize) -> Runtime {
         .enable_all()
         .build()
         .expect("a tokio runtime")
+}
+
+/// One configuration's figures, as one line on stderr.
+fn log_configuration(workers: usize, shape: Shape, tokens: usize, result: &Value) {
+    eprintln!(
+        "  workers {workers:>2}  {}x{} {:<22} {tokens:>4} tokens {:>9} samples/s  p50 {} ms  \
+         p99 {} ms  controller cpu {} us/sample  one-worker rpc p50 {} ms",
+        shape.prompts,
+        shape.group,
+        match shape.rate {
+            None => format!("({} in flight)", shape.in_flight),
+            Some(rate) => format!("(paced {rate}/s, <={})", shape.in_flight),
+        },
+        result["samples_per_second"],
+        result["p50_ms"],
+        result["p99_ms"],
+        result["controller_cpu_us_per_sample"],
+        result["worker_rpc_p50_ms"],
+    );
+}
+
+/// The settings every configuration ran under, for the JSON output.
+fn settings_json(settings: &Settings, cores: usize) -> Value {
+    json!({
+        "seconds": settings.seconds,
+        "warmup_seconds": settings.warmup,
+        "completion_tokens": settings.completion_tokens,
+        "prompt_tokens": settings.prompt_tokens,
+        "controller_threads": settings.controller_threads,
+        "sim_worker_threads": if settings.shared_runtime { Value::Null } else { json!(settings.sim_threads) },
+        "shared_runtime": settings.shared_runtime,
+        "cores": cores,
+    })
 }
 
 fn main() {
@@ -615,34 +675,11 @@ fn main() {
             .await
             .expect("a measurement")
         });
-        eprintln!(
-            "  workers {workers:>2}  {}x{} {:<22} {tokens:>4} tokens {:>9} samples/s  p50 {} ms  \
-             p99 {} ms  controller cpu {} us/sample  one-worker rpc p50 {} ms",
-            shape.prompts,
-            shape.group,
-            match shape.rate {
-                None => format!("({} in flight)", shape.in_flight),
-                Some(rate) => format!("(paced {rate}/s, <={})", shape.in_flight),
-            },
-            result["samples_per_second"],
-            result["p50_ms"],
-            result["p99_ms"],
-            result["controller_cpu_us_per_sample"],
-            result["worker_rpc_p50_ms"],
-        );
+        log_configuration(workers, shape, tokens, &result);
         configurations.push(result);
     }
     let output = json!({
-        "settings": {
-            "seconds": settings.seconds,
-            "warmup_seconds": settings.warmup,
-            "completion_tokens": settings.completion_tokens,
-            "prompt_tokens": settings.prompt_tokens,
-            "controller_threads": settings.controller_threads,
-            "sim_worker_threads": if settings.shared_runtime { Value::Null } else { json!(settings.sim_threads) },
-            "shared_runtime": settings.shared_runtime,
-            "cores": cores,
-        },
+        "settings": settings_json(&settings, cores),
         "configurations": configurations,
     });
     println!("{output}");
