@@ -27,6 +27,7 @@ import json
 import os
 import sys
 from collections.abc import Iterable
+from typing import Any
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -70,20 +71,18 @@ def make_optimizer(kind: str, params: Iterable[torch.nn.Parameter]) -> torch.opt
     return torch.optim.AdamW(params, lr=LR)
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--offload-optimizer", action="store_true")
     ap.add_argument("--zero-init", action="store_true", help="build under deepspeed.zero.Init")
     ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--optimizer", choices=["adamw", "sgd", "cpuadam"], default="adamw")
-    args = ap.parse_args()
+    return ap.parse_args()
 
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(1)
 
-    ds_config: dict = {
+def deepspeed_config(args: argparse.Namespace) -> dict[str, Any]:
+    config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": BATCH,
         "gradient_accumulation_steps": 1,
         "zero_optimization": {"stage": 3},
@@ -93,12 +92,93 @@ def main() -> int:
         "steps_per_print": 1000,
     }
     if args.dtype == "bf16":
-        ds_config["bf16"] = {"enabled": True}
+        config["bf16"] = {"enabled": True}
     if args.offload_optimizer:
-        ds_config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
         # Otherwise 0.19.8 refuses any client optimizer but DeepSpeedCPUAdam.
-        ds_config["zero_force_ds_cpu_optimizer"] = False
+        config["zero_force_ds_cpu_optimizer"] = False
+    return config
 
+
+def partition_sizes(engine: Any) -> dict[str, Any]:
+    """How many elements the model has, this rank keeps, and holds outside a forward pass."""
+    params = list(engine.module.parameters())
+    full = sum(p.ds_numel for p in params)
+    local = sum(p.ds_tensor.numel() for p in params)
+    held = sum(p.numel() for p in params)
+    return {
+        "ds_numel_total": full,
+        "local_partition_numel": local,
+        "param_numel_outside_forward": held,
+        "partitioned": local * dist.get_world_size() >= full and local < full and held == 0,
+    }
+
+
+def train(engine: Any, steps: int) -> tuple[list[float], list[float]]:
+    """This rank's loss per step, and the mean over the ranks."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses, global_losses = [], []
+    for step in range(steps):
+        ids = batch(rank, step)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(round(loss.item(), 6))
+        mean = loss.detach().float().clone()
+        dist.all_reduce(mean)
+        global_losses.append(round(mean.item() / world, 6))
+    return losses, global_losses
+
+
+def compare_with_reference(
+    engine: Any,
+    reference: LlamaForCausalLM,
+    initial: dict[str, torch.Tensor],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """Trains `reference` in one process on every rank's batches and compares the updates.
+
+    Same data, one process: the mean of equal-size per-rank means equals the mean over the
+    concatenated batch, so AdamW must track ZeRO-3.
+    """
+    world = dist.get_world_size()
+    ref_kind = "adamw" if args.optimizer == "cpuadam" else args.optimizer
+    ref_opt = make_optimizer(ref_kind, reference.parameters())
+    ref_losses = []
+    for step in range(args.steps):
+        ids = torch.cat([batch(r, step) for r in range(world)])
+        loss = reference(input_ids=ids, labels=ids).loss
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(round(loss.item(), 6))
+    # Adam turns float noise in near-zero gradients into visible update
+    # differences on single elements, so compare whole updates by norm.
+    max_diff, err_sq, upd_sq = 0.0, 0.0, 0.0
+    named_ref = dict(reference.named_parameters())
+    for name, p in engine.module.named_parameters():
+        with deepspeed.zero.GatheredParameters([p]):
+            ours = p.detach().float()
+            ref = named_ref[name].detach().float()
+            max_diff = max(max_diff, (ours - ref).abs().max().item())
+            err_sq += (ours - ref).pow(2).sum().item()
+            upd_sq += (ref - initial[name].float()).pow(2).sum().item()
+    rel = (err_sq / upd_sq) ** 0.5
+    # bf16 params round each update (ulp ~1e-4 at |w| ~ 0.02 vs lr 1e-3).
+    tol = 1e-3 if args.dtype == "fp32" else 0.2
+    return {
+        "reference_losses": ref_losses,
+        "max_param_diff_vs_reference": max_diff,
+        "relative_update_error": rel,
+        "matches_reference": rel < tol,
+    }
+
+
+def main() -> int:
+    args = parse_args()
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.set_num_threads(1)
+    ds_config = deepspeed_config(args)
     if args.zero_init:
         # Parameters are partitioned as each module is constructed; HF's
         # _init_weights then sees empty shards, so no reference is computed.
@@ -112,71 +192,24 @@ def main() -> int:
     optimizer = make_optimizer(args.optimizer, model.parameters())
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
 
-    params = list(engine.module.parameters())
-    full = sum(p.ds_numel for p in params)
-    local = sum(p.ds_tensor.numel() for p in params)
-    held = sum(p.numel() for p in params)
-
-    losses, global_losses = [], []
-    for step in range(args.steps):
-        ids = batch(rank, step)
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(round(loss.item(), 6))
-        mean = loss.detach().float().clone()
-        dist.all_reduce(mean)
-        global_losses.append(round(mean.item() / world, 6))
-
+    sizes = partition_sizes(engine)
+    losses, global_losses = train(engine, args.steps)
     out = {
-        "rank": rank,
-        "world": world,
+        "rank": dist.get_rank(),
+        "world": dist.get_world_size(),
         "deepspeed": deepspeed.__version__,
         "dtype": args.dtype,
         "offload_optimizer": args.offload_optimizer,
         "zero_init": args.zero_init,
         "optimizer": type(engine.optimizer).__name__,
         "inner_optimizer": type(engine.optimizer.optimizer).__name__,
-        "ds_numel_total": full,
-        "local_partition_numel": local,
-        "param_numel_outside_forward": held,
-        "partitioned": local * world >= full and local < full and held == 0,
+        **sizes,
         "losses": losses,
         "global_losses": global_losses,
     }
-
-    ok = out["partitioned"]
+    ok = sizes["partitioned"]
     if reference is not None:
-        # Same data, one process: mean of equal-size per-rank means equals the
-        # mean over the concatenated batch, so AdamW must track ZeRO-3.
-        ref_kind = "adamw" if args.optimizer == "cpuadam" else args.optimizer
-        ref_opt = make_optimizer(ref_kind, reference.parameters())
-        ref_losses = []
-        for step in range(args.steps):
-            ids = torch.cat([batch(r, step) for r in range(world)])
-            loss = reference(input_ids=ids, labels=ids).loss
-            loss.backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-            ref_losses.append(round(loss.item(), 6))
-        # Adam turns float noise in near-zero gradients into visible update
-        # differences on single elements, so compare whole updates by norm.
-        max_diff, err_sq, upd_sq = 0.0, 0.0, 0.0
-        named_ref = dict(reference.named_parameters())
-        for name, p in engine.module.named_parameters():
-            with deepspeed.zero.GatheredParameters([p]):
-                ours = p.detach().float()
-                ref = named_ref[name].detach().float()
-                max_diff = max(max_diff, (ours - ref).abs().max().item())
-                err_sq += (ours - ref).pow(2).sum().item()
-                upd_sq += (ref - initial[name].float()).pow(2).sum().item()
-        rel = (err_sq / upd_sq) ** 0.5
-        # bf16 params round each update (ulp ~1e-4 at |w| ~ 0.02 vs lr 1e-3).
-        tol = 1e-3 if args.dtype == "fp32" else 0.2
-        out["reference_losses"] = ref_losses
-        out["max_param_diff_vs_reference"] = max_diff
-        out["relative_update_error"] = rel
-        out["matches_reference"] = rel < tol
+        out.update(compare_with_reference(engine, reference, initial, args))
         ok = ok and out["matches_reference"]
 
     print(json.dumps(out), flush=True)
