@@ -332,7 +332,6 @@ impl Samples {
         let raw = median(&mut self.raw_loopback);
         let raw_chain = median(&mut self.raw_chain);
         let kept_chain = median(&mut self.raw_chain_kept);
-        let seconds = self.sync_seconds.clone();
         let median = median(&mut self.sync_seconds);
         let delivered = model_bytes as f64 / median;
         eprintln!(
@@ -346,7 +345,7 @@ impl Samples {
             "workers": count,
             "model_bytes": model_bytes,
             "bucket_bytes": bucket_bytes,
-            "seconds": seconds,
+            "seconds": self.sync_seconds,
             "raw_loopback_samples": self.raw_loopback,
             "seconds_median": median,
             "bytes_per_second": delivered,
