@@ -233,12 +233,13 @@ class Bench:
             },
             "warmup_steps": self.args.warmup,
             "measured_steps": self.args.steps - self.args.warmup,
-            **{size: self.headline(size, row) for size, row in fp32.items()},
+            **{size: self.size_figures(size, row) for size, row in fp32.items()},
             "tables": tables,
             "learning": learning,
         }
 
-    def headline(self, size: str, row: dict[str, Any]) -> dict[str, Any]:
+    def size_figures(self, size: str, row: dict[str, Any]) -> dict[str, Any]:
+        """A size's figures at the top of the results: its parameters and its row's headline."""
         config = self.configs[size]
         return {
             "parameters": sum(n_in * n_out for n_in, n_out in matmul_shapes(config))

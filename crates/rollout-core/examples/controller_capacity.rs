@@ -520,6 +520,8 @@ async fn load_window(
     }
 }
 
+/// One configuration: `workers` simulated workers loaded as `shape` says, and one of them
+/// probed alone with its share of a request; the figures as JSON.
 async fn measure(
     settings: &Settings,
     sim: &Handle,
