@@ -38,11 +38,9 @@ Anything a plugin prints goes to stderr: the protocol has the original stdout to
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import json
 import math
 import os
-import random
 import resource
 import shutil
 import signal
@@ -55,6 +53,7 @@ from rollout_sdk.config import ConfigError
 from rollout_sdk.environment import Environment
 from rollout_sdk.plugin import load_plugin
 from rollout_sdk.reward import Reward, check_score_range
+from rollout_sdk.seeding import seed_everything
 from rollout_sdk.types import Sample
 
 __all__ = ["Worker", "launch_spec", "main"]
@@ -115,7 +114,7 @@ class Worker:
             resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
         self.cpu_seconds = int(request.get("cpu_seconds", 0))
         if request.get("seed") is not None:
-            _seed_globals(int(request["seed"]))
+            seed_everything(int(request["seed"]))
         for index, reward in enumerate(request["rewards"]):
             try:
                 loaded = load_plugin(reward["plugin"], reward.get("options") or {}, Reward)
@@ -236,20 +235,6 @@ def _step_outcome(result: Any) -> dict[str, Any] | str:
 def _one_line(err: BaseException) -> str:
     text = str(err)
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
-
-
-def _seed_globals(seed: int) -> None:
-    """Seed Python's and NumPy's global generators as the engine seeds its own interpreter.
-
-    torch's is left alone: importing torch for it would cost a plugin that never uses it
-    seconds and hundreds of MiB of its memory limit.
-    """
-    seed = int(seed) % 2**32
-    random.seed(seed)
-    if importlib.util.find_spec("numpy") is not None:
-        import numpy as np
-
-        np.random.seed(seed)
 
 
 def _load_failed(index: int | None, key: list[str] | None, message: str, trace: str = "") -> dict[str, Any]:

@@ -23,9 +23,14 @@ pub const CUDA_HOST_RUNTIME_BYTES: u64 = 1024 * MIB;
 /// Device memory of a CUDA context, cuBLAS workspaces and the caching allocator's slack;
 /// an estimate, not measured here.
 pub const CUDA_CONTEXT_BYTES: u64 = 768 * MIB;
-/// The controller of `rollout launch`: Python with the data, reward and callback plugins but
-/// no model; 499 MiB measured for configs/distributed.toml.
-pub const CONTROLLER_RUNTIME_BYTES: u64 = 500 * MIB;
+/// The controller of `rollout launch`: Python with data, reward and callback plugins that
+/// need no model library; 51 MiB measured for configs/distributed.toml's plugins (torch is
+/// seeded when something imports it, not imported to be seeded).
+pub const CONTROLLER_RUNTIME_BYTES: u64 = 64 * MIB;
+/// What importing torch and transformers adds to a process that holds no policy (a
+/// controller or sandbox process loading a reward model or a tokenizer): a Python process
+/// with NumPy peaks at 25 MiB, with torch and transformers' model classes at 645 MiB.
+pub const MODEL_LIBRARIES_BYTES: u64 = 620 * MIB;
 /// A sandbox process scoring rewards (`python -m rollout_sdk.sandbox`), before its plugins.
 pub const SANDBOX_RUNTIME_BYTES: u64 = 100 * MIB;
 

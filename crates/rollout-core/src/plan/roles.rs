@@ -4,8 +4,8 @@
 
 use super::estimate::{
     CONTROLLER_RUNTIME_BYTES, CUDA_CONTEXT_BYTES, CUDA_HOST_RUNTIME_BYTES, Component,
-    PEFT_BITSANDBYTES_BYTES, Phases, PolicyMemory, RUNTIME_BYTES, SANDBOX_RUNTIME_BYTES, component,
-    count, frozen_weights_bytes, kv_cache,
+    MODEL_LIBRARIES_BYTES, PEFT_BITSANDBYTES_BYTES, Phases, PolicyMemory, RUNTIME_BYTES,
+    SANDBOX_RUNTIME_BYTES, component, count, frozen_weights_bytes, kv_cache,
 };
 use super::model::ModelShape;
 use super::options::{Device, Quantization, RewardModel};
@@ -80,9 +80,14 @@ pub fn agent_in_process(name: &str, inputs: &Inputs<'_>) -> Role {
 pub fn launch(inputs: &Inputs<'_>) -> Vec<Role> {
     let cluster = &inputs.config.cluster;
     let device = inputs.policy.options.device;
+    let mut controller = vec![plain_runtime(
+        CONTROLLER_RUNTIME_BYTES,
+        "Python and the data, reward and callback plugins",
+    )];
+    controller.extend(controller_model_libraries(inputs));
     let mut roles = vec![Role {
         name: "controller".into(),
-        components: runtime(Device::Cpu, CONTROLLER_RUNTIME_BYTES),
+        components: controller,
     }];
     if inputs.samples {
         let workers = u64::from(cluster.workers.max(1));
@@ -143,6 +148,56 @@ fn process_runtime(inputs: &Inputs<'_>) -> u64 {
     } else {
         RUNTIME_BYTES
     }
+}
+
+/// The baseline of a process that holds no policy (a controller, a sandbox process).
+fn plain_runtime(bytes: u64, detail: &str) -> Component {
+    component(
+        "runtime",
+        Device::Cpu,
+        bytes as f64,
+        Phases::ALL,
+        detail.into(),
+    )
+}
+
+/// torch and transformers, in a process that holds no policy but loads a model or a tokenizer.
+fn model_libraries(detail: &str) -> Component {
+    component(
+        "torch and transformers",
+        Device::Cpu,
+        MODEL_LIBRARIES_BYTES as f64,
+        Phases::ALL,
+        detail.into(),
+    )
+}
+
+/// The controller imports torch and transformers only for what needs them: reward models it
+/// scores with itself, or a plugin it hosts with a `tokenizer` option (a chat template).
+fn controller_model_libraries(inputs: &Inputs<'_>) -> Option<Component> {
+    let config = inputs.config;
+    let sandboxed = config.sandbox.processes > 0;
+    if !sandboxed && !inputs.reward_models.is_empty() {
+        return Some(model_libraries("for the reward models it scores with"));
+    }
+    let data = std::iter::once(&config.data.options)
+        .chain(config.data.transforms.iter().map(|t| &t.options));
+    let callbacks = config.callbacks.iter().map(|c| &c.options);
+    let rewards = config
+        .rewards
+        .iter()
+        .filter(|_| !sandboxed)
+        .map(|r| &r.options);
+    let environment = config
+        .environment
+        .iter()
+        .filter(|_| !(sandboxed && config.sandbox.environments))
+        .map(|e| &e.options);
+    data.chain(callbacks)
+        .chain(rewards)
+        .chain(environment)
+        .any(|options| options.contains_key("tokenizer"))
+        .then(|| model_libraries("for a plugin's `tokenizer`"))
 }
 
 /// The process baseline, and on CUDA the driver's host memory and the device's context.
@@ -514,7 +569,10 @@ fn place_reward_models(inputs: &Inputs<'_>, roles: &mut Vec<Role>) {
         return;
     }
     for index in 0..processes {
-        let mut components = runtime(Device::Cpu, SANDBOX_RUNTIME_BYTES);
+        let mut components = vec![
+            plain_runtime(SANDBOX_RUNTIME_BYTES, "Python and the reward plugins"),
+            model_libraries("for the reward models"),
+        ];
         components.extend(models.iter().cloned());
         roles.push(Role {
             name: format!("sandbox {index}"),

@@ -319,6 +319,51 @@ fn launch_plans_controller_workers_and_ranks() {
     assert!(external.devices[0].predicted_peak_bytes < total);
 }
 
+/// The controller imports torch and transformers only where a plugin it hosts needs them:
+/// reward models it scores with, or a `tokenizer` option; a sandbox process holding a reward
+/// model imports them too.
+#[test]
+fn the_controller_counts_model_libraries_only_where_its_plugins_load_them() {
+    let setup = Setup::new();
+    let launch = |extra: &str| {
+        let text = format!("[cluster]\nworkers = 1\n{extra}");
+        plan(
+            &setup.load("", &text),
+            Mode::Launch {
+                external_roles: false,
+            },
+            None,
+        )
+        .unwrap()
+    };
+    let libraries = |plan: &Plan, role: usize| part(plan, role, "torch and transformers");
+    let model = setup.model();
+    let plain = launch("");
+    assert_eq!(part(&plain, 0, "runtime"), 64 << 20);
+    assert_eq!(libraries(&plain, 0), 0);
+    // Workers and ranks hold the policy: their runtime already has the libraries.
+    assert_eq!(libraries(&plain, 1), 0);
+
+    let tokenizer = launch("[[callbacks]]\nplugin = \"c:C\"\noptions = { tokenizer = \"t\" }\n");
+    assert_eq!(libraries(&tokenizer, 0), 620 << 20);
+
+    let reward_model = format!(
+        "[[rewards]]\nplugin = \"python_plugins.reward_models:RewardModel\"\n\
+         options = {{ model_path = \"{}\" }}\n",
+        model.display()
+    );
+    let scored_here = launch(&reward_model);
+    assert_eq!(libraries(&scored_here, 0), 620 << 20);
+    assert!(part(&scored_here, 0, "reward model") > 0);
+
+    let sandboxed = launch(&format!("{reward_model}[sandbox]\nprocesses = 1\n"));
+    assert_eq!(libraries(&sandboxed, 0), 0);
+    let sandbox = sandboxed.roles.len() - 1;
+    assert_eq!(sandboxed.roles[sandbox].role, "sandbox 0");
+    assert_eq!(libraries(&sandboxed, sandbox), 620 << 20);
+    assert!(part(&sandboxed, sandbox, "reward model") > 0);
+}
+
 fn plan_external(loaded: &LoadedConfig) -> Plan {
     plan(
         loaded,
