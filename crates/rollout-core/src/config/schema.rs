@@ -361,6 +361,19 @@ impl Default for SandboxConfig {
     }
 }
 
+impl Config {
+    /// Whether rewards are scored in `[sandbox]` processes instead of the interpreter of the
+    /// run (or of a launch's controller).
+    pub fn rewards_sandboxed(&self) -> bool {
+        self.sandbox.processes > 0 && !self.rewards.is_empty()
+    }
+
+    /// Whether the `[environment]`'s episodes play in `[sandbox]` processes of their own.
+    pub fn environment_sandboxed(&self) -> bool {
+        self.sandbox.processes > 0 && self.sandbox.environments && self.environment.is_some()
+    }
+}
+
 fn default_true() -> bool {
     true
 }

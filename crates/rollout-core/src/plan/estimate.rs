@@ -24,8 +24,8 @@ pub const CUDA_HOST_RUNTIME_BYTES: u64 = 1024 * MIB;
 /// an estimate, not measured here.
 pub const CUDA_CONTEXT_BYTES: u64 = 768 * MIB;
 /// The controller of `rollout launch`: Python with data, reward and callback plugins that
-/// need no model library; 51 MiB measured for configs/distributed.toml's plugins (torch is
-/// seeded when something imports it, not imported to be seeded).
+/// need no model library; configs/distributed.toml's peaks at 53 MiB (torch is seeded when
+/// something imports it, not imported to be seeded).
 pub const CONTROLLER_RUNTIME_BYTES: u64 = 64 * MIB;
 /// What importing torch and transformers adds to a process that holds no policy (a
 /// controller or sandbox process loading a reward model or a tokenizer): a Python process

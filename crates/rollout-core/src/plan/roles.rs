@@ -176,26 +176,21 @@ fn model_libraries(detail: &str) -> Component {
 /// scores with itself, or a plugin it hosts with a `tokenizer` option (a chat template).
 fn controller_model_libraries(inputs: &Inputs<'_>) -> Option<Component> {
     let config = inputs.config;
-    let sandboxed = config.sandbox.processes > 0;
-    if !sandboxed && !inputs.reward_models.is_empty() {
+    let scores_here = !config.rewards_sandboxed();
+    if scores_here && !inputs.reward_models.is_empty() {
         return Some(model_libraries("for the reward models it scores with"));
     }
-    let data = std::iter::once(&config.data.options)
-        .chain(config.data.transforms.iter().map(|t| &t.options));
-    let callbacks = config.callbacks.iter().map(|c| &c.options);
-    let rewards = config
-        .rewards
+    let mut hosted = vec![&config.data.options];
+    hosted.extend(config.data.transforms.iter().map(|t| &t.options));
+    hosted.extend(config.callbacks.iter().map(|c| &c.options));
+    if scores_here {
+        hosted.extend(config.rewards.iter().map(|r| &r.options));
+    }
+    if !config.environment_sandboxed() {
+        hosted.extend(config.environment.iter().map(|e| &e.options));
+    }
+    hosted
         .iter()
-        .filter(|_| !sandboxed)
-        .map(|r| &r.options);
-    let environment = config
-        .environment
-        .iter()
-        .filter(|_| !(sandboxed && config.sandbox.environments))
-        .map(|e| &e.options);
-    data.chain(callbacks)
-        .chain(rewards)
-        .chain(environment)
         .any(|options| options.contains_key("tokenizer"))
         .then(|| model_libraries("for a plugin's `tokenizer`"))
 }

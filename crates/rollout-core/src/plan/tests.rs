@@ -346,6 +346,11 @@ fn the_controller_counts_model_libraries_only_where_its_plugins_load_them() {
 
     let tokenizer = launch("[[callbacks]]\nplugin = \"c:C\"\noptions = { tokenizer = \"t\" }\n");
     assert_eq!(libraries(&tokenizer, 0), 620 << 20);
+    // An environment's tokenizer loads in the controller unless its episodes play in the sandbox.
+    let environment = "[environment]\nplugin = \"e:E\"\noptions = { tokenizer = \"t\" }\n";
+    assert_eq!(libraries(&launch(environment), 0), 620 << 20);
+    let sandbox = "[sandbox]\nprocesses = 1\nenvironments = true\n";
+    assert_eq!(libraries(&launch(&format!("{environment}{sandbox}")), 0), 0);
 
     let reward_model = format!(
         "[[rewards]]\nplugin = \"python_plugins.reward_models:RewardModel\"\n\

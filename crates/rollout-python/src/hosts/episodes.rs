@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use rollout_core::config::{Config, LoadedConfig};
+use rollout_core::config::LoadedConfig;
 use rollout_core::roles::{EpisodeResult, EpisodeStart, RoleError, StepResult};
 use rollout_core::sandbox::{EnvironmentPool, FailureLedger};
 
@@ -22,11 +22,6 @@ pub enum EpisodeHost {
 }
 
 impl EpisodeHost {
-    /// Whether the config plays its environment's episodes in the sandbox pool.
-    pub fn sandboxed(config: &Config) -> bool {
-        config.sandbox.processes > 0 && config.sandbox.environments && config.environment.is_some()
-    }
-
     /// `in_process` is the loaded environment; `None` starts the sandbox pool when the
     /// config has an environment (and `ledger` is the run's failure counts it adds to).
     pub async fn new(
@@ -38,7 +33,7 @@ impl EpisodeHost {
         if let Some(plugin) = in_process {
             return Ok(Some(EpisodeHost::InProcess(LiveEpisodes::new(plugin))));
         }
-        if !Self::sandboxed(&loaded.config) {
+        if !loaded.config.environment_sandboxed() {
             return Ok(None);
         }
         let launch = worker.run(sandbox_launch).await??;

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use rollout_core::config::{Config, LoadedConfig};
+use rollout_core::config::LoadedConfig;
 use rollout_core::roles::RoleError;
 use rollout_core::sandbox::{FailureLedger, SandboxPool};
 use rollout_net::messages::{ScoreRequest, ScoreResponse};
@@ -19,11 +19,6 @@ pub enum Scoring {
 }
 
 impl Scoring {
-    /// Whether the config scores its rewards in the sandbox pool.
-    pub fn sandboxed(config: &Config) -> bool {
-        config.sandbox.processes > 0 && !config.rewards.is_empty()
-    }
-
     /// `in_process` is the loaded reward set, or `None` to start the sandbox pool (adding
     /// its failures to the run's `ledger`).
     pub async fn new(

@@ -39,8 +39,8 @@ impl Services {
     /// Imports and instantiates every plugin the config names except the policy.
     pub async fn load(worker: Arc<PythonWorker>, loaded: &LoadedConfig) -> Result<Self, HostError> {
         let loaded_config = loaded.clone();
-        let sandboxed = Scoring::sandboxed(&loaded.config);
-        let environment_sandboxed = EpisodeHost::sandboxed(&loaded.config);
+        let sandboxed = loaded.config.rewards_sandboxed();
+        let environment_sandboxed = loaded.config.environment_sandboxed();
         let multi_agent = loaded.config.multi_agent();
         let (data, rewards, environment, joint, callbacks) = worker
             .run(move |py| -> Result<_, HostError> {
