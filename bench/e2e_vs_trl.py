@@ -63,6 +63,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default="tiny=150,small=60",
         help="steps of the learning check per size; '' skips it",
     )
+    parser.add_argument(
+        "--overlap",
+        default="tiny",
+        help="comma-separated sizes whose Rollout runs overlap generation with training "
+        "(cluster.max_staleness = 1, half the torch threads per copy); '' for none",
+    )
     parser.add_argument("--work", type=Path, default=REPO / "artifacts" / "bench-e2e-vs-trl")
     parser.add_argument(
         "--report-only", action="store_true", help=f"only redo the docs and plot from {RESULTS.name}"
@@ -146,7 +152,8 @@ class Bench:
         order = ("rollout", "trl") if repeat % 2 == 0 else ("trl", "rollout")
         for framework in order:
             label = f"{framework}-{size.name}-{precision}-kl{kl:g}-{steps}steps-r{repeat}"
-            spec = RunSpec(framework, size.name, self.models[size.name], kl, precision, steps, label)
+            overlap = framework == "rollout" and size.name in self.args.overlap.split(",")
+            spec = RunSpec(framework, size.name, self.models[size.name], kl, precision, steps, label, overlap)
             if framework == "rollout":
                 command, metrics = rollout_command(
                     spec, self.args.rollout, self.work, self.data, self.workload
@@ -165,7 +172,12 @@ class Bench:
                 kl > 0,
                 self.limits[size.name]["gemm_gflops"],
             )
-            pair[framework] = {**summary, **process, "rewards": [s["reward_mean"] for s in steps_done]}
+            pair[framework] = {
+                **summary,
+                **process,
+                "rewards": [s["reward_mean"] for s in steps_done],
+                "overlapped": overlap,
+            }
             print(
                 f": {summary['completions_per_second']:.0f} completions/s, "
                 f"{process['peak_rss_bytes'] / 2**20:.0f} MiB, {summary['step_seconds']:.3f} s/step",

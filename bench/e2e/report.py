@@ -89,11 +89,34 @@ def _machine_lines(results: Mapping[str, Any]) -> list[str]:
         f"TRL {results['versions']['trl']}, {results['workload']['threads']} torch threads in both. "
         f"Command: `{results['command']}`.",
         "",
+        *_overlap_lines(results),
         "Machine limits: fp32 matrix multiply "
         + ", ".join(f"{size} {limits['gemm_gflops']:.0f} GFLOP/s" for size, limits in all_limits.items())
         + f" (at the model's shapes, {any_limits['gemm_rows']} rows); "
         f"memory copy {any_limits['copy_gbytes_per_second']:.1f} GB/s; a Python process that has "
         f"only imported torch: {_mib(results['machine']['import_torch_rss_bytes'])}.",
+        "",
+    ]
+
+
+def _overlap_lines(results: Mapping[str, Any]) -> list[str]:
+    """Which sizes' Rollout runs overlapped generation with training, if any."""
+    sizes = sorted(
+        {
+            row["size"]
+            for table in results["tables"].values()
+            for row in table
+            if any(pair["rollout"].get("overlapped") for pair in row["pairs"])
+        }
+    )
+    if not sizes:
+        return []
+    return [
+        f"Rollout's {', '.join(sizes)} runs overlap generation with training (`cluster.max_staleness = 1`: "
+        "a generation copy of the policy samples step k + 1 on its own interpreter thread while step k "
+        f"trains, {max(1, results['workload']['threads'] // 2)} torch thread per copy), so each trained "
+        "sample is at most one update old, corrected by the clipped importance ratio; TRL's runs are "
+        "synchronous. The phases of an overlapped run add up to more than its step.",
         "",
     ]
 

@@ -84,10 +84,12 @@ def write_toml(path: Path, tables: Mapping[str, Mapping[str, Any]]) -> None:
     path.write_text("\n".join(lines))
 
 
-def policy_options(model: Path, workload: Workload, precision: str) -> dict[str, Any]:
+def policy_options(model: Path, workload: Workload, precision: str, overlap: bool = False) -> dict[str, Any]:
+    # Overlapped, each copy of the policy (training, generation) gets half the threads.
+    threads = max(1, workload.threads // 2) if overlap else workload.threads
     return {
         "model_path": str(model),
-        "torch_threads": workload.threads,
+        "torch_threads": threads,
         "dtype": "bfloat16" if precision == "bf16" else "float32",
     }
 
@@ -133,6 +135,8 @@ class RunSpec:
     precision: str
     steps: int
     label: str
+    # Rollout only: generation overlaps training (`cluster.max_staleness = 1`).
+    overlap: bool = False
 
 
 def rollout_command(
@@ -140,6 +144,7 @@ def rollout_command(
 ) -> tuple[list[str], Path]:
     run_dir = work / "runs" / spec.label
     config = work / "configs" / f"{spec.label}.toml"
+    overlap = {"cluster": {"max_staleness": 1}} if spec.overlap else {}
     write_toml(
         config,
         {
@@ -151,7 +156,7 @@ def rollout_command(
             },
             "policy": {
                 "plugin": "python_plugins.hf_policy:HFCausalLM",
-                "options": policy_options(spec.model, workload, spec.precision),
+                "options": policy_options(spec.model, workload, spec.precision, spec.overlap),
             },
             "data": {
                 "plugin": "python_plugins.data:JsonlPrompts",
@@ -168,6 +173,7 @@ def rollout_command(
             "train": {"learning_rate": workload.learning_rate},
             # Only the final checkpoint, as TRL saves none: neither run is timed writing files.
             "checkpoint": {"every": 0, "keep": 1},
+            **overlap,
         },
     )
     return [str(rollout), "run", str(config), "--overwrite"], run_dir / "metrics.jsonl"
@@ -224,7 +230,8 @@ def read_steps(framework: str, path: Path) -> list[dict[str, float]]:
         else:
             phases = {name: record[f"{name}_seconds"] for name in PHASES if name != "other"}
             sequence_tokens = record["prompt_tokens"] + record["generated_tokens"]
-        phases["other"] = wall - sum(phases.values())
+        # Overlapped generation and training can sum past the step.
+        phases["other"] = max(0.0, wall - sum(phases.values()))
         steps.append(
             {
                 "step": record["step"],

@@ -143,7 +143,7 @@ def _apply(config: dict[str, Any], overrides: Overrides) -> None:
 
 
 def cluster(workers: int, trainers: int, staleness: int | None = None, **options: Any) -> dict[str, Any]:
-    """A `[cluster]` section (which `rollout run` ignores) as overrides."""
+    """A `[cluster]` section as overrides; `rollout run` reads only its `max_staleness`."""
     section: dict[str, Any] = {"workers": workers, "trainers": trainers}
     if staleness is not None:
         section["max_staleness"] = staleness

@@ -51,6 +51,39 @@ def test_staleness_zero_with_one_worker_and_one_trainer_reproduces_rollout_run(
         assert line["generation_weight_version"] == line["weight_version"] - 1
 
 
+def test_generation_overlapping_training_in_one_process_reproduces_one_worker_and_one_trainer(
+    tmp_path: Path, artifacts: Path
+) -> None:
+    """`rollout run` with `max_staleness = 1` generates on a copy of the policy on its own
+    interpreter thread while the first copy trains: the same versions, samples and updates
+    as `rollout launch` with one worker and one trainer."""
+    local_dir, cluster_dir = tmp_path / "local", tmp_path / "cluster"
+    local_dir.mkdir()
+    cluster_dir.mkdir()
+    section = cluster(1, 1, 1)
+    local_config = write_config(local_dir, artifacts, section, steps=5)
+    local_run = run(local_config)
+    assert "generation copy" in local_run.stderr
+    launch(write_config(cluster_dir, artifacts, section, steps=5))
+
+    local, remote = metrics(local_dir), metrics(cluster_dir)
+    pool = {name for line in remote for name in line if name in POOL_METRICS or name.startswith("worker_")}
+    remote = [{k: v for k, v in line.items() if k not in pool} for line in remote]
+    assert learning_signal(local) == learning_signal(remote)
+    # Each step after the first was sampled while the one before it trained.
+    assert [line["staleness_max"] for line in local] == [0, 1, 1, 1, 1]
+    for line in local[1:]:
+        assert line["generation_weight_version"] == line["weight_version"] - 2
+
+    # Resumed, the copy is given the checkpoint's weights: the first step samples on them.
+    resumed = run(local_config, "--resume", "--set", "run.steps=7")
+    assert "resumed from" in resumed.stderr
+    lines = metrics(local_dir)
+    assert [line["step"] for line in lines] == list(range(1, 8))
+    assert [line["staleness_max"] for line in lines[5:]] == [0, 1]
+    assert lines[5]["generation_weight_version"] == lines[4]["weight_version"]
+
+
 def test_two_workers_two_trainers_overlap_generation_within_the_staleness_bound(
     tmp_path: Path, artifacts: Path
 ) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -120,6 +121,20 @@ def test_generated_configs_are_valid_toml(tmp_path: Path) -> None:
     assert config["algorithm"]["kl_coef"] == 0.04
     assert config["policy"]["options"]["dtype"] == "bfloat16"
     assert config["rewards"] == [{"plugin": "python_plugins.rewards:ExactMatch"}]
+
+
+def test_an_overlapped_rollout_run_samples_one_step_ahead_on_half_the_threads(tmp_path: Path) -> None:
+    spec = runs.RunSpec("rollout", "tiny", tmp_path / "model", 0.0, "fp32", 15, "label", overlap=True)
+    runs.rollout_command(spec, Path("rollout"), tmp_path, tmp_path / "data.jsonl", runs.Workload())
+    tomllib = pytest.importorskip("tomllib")
+    config = tomllib.loads((tmp_path / "configs" / "label.toml").read_text())
+    assert config["cluster"] == {"max_staleness": 1}
+    assert config["policy"]["options"]["torch_threads"] == runs.Workload().threads // 2
+    synchronous = dataclasses.replace(spec, overlap=False, label="sync")
+    runs.rollout_command(synchronous, Path("rollout"), tmp_path, tmp_path / "data.jsonl", runs.Workload())
+    config = tomllib.loads((tmp_path / "configs" / "sync.toml").read_text())
+    assert "cluster" not in config
+    assert config["policy"]["options"]["torch_threads"] == runs.Workload().threads
 
 
 def test_docs_section_is_replaced_between_the_markers(

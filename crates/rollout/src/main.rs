@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use crate::processes::ClusterError;
-use crate::session::{Session, SessionError};
+use crate::session::{Purpose, Session, SessionError};
 use clap::Parser;
 use cli::{Cli, Command, RoleOptions, RunArgs, slurm_rank};
 use rollout_core::config::{self, ConfigError};
@@ -148,7 +148,10 @@ async fn execute(command: Command) -> anyhow::Result<()> {
         Command::Run { run } => run_command(run).await,
         Command::Check { config, overrides } => {
             let loaded = config::load(&config, &overrides)?;
-            let report = Session::open(loaded).await?.report().await?;
+            let report = Session::open(loaded, Purpose::Sample)
+                .await?
+                .report()
+                .await?;
             println!("{report}");
             Ok(())
         }
@@ -209,7 +212,7 @@ async fn run_command(run: RunArgs) -> anyhow::Result<()> {
     // Bound before the plugins load, so a busy port fails at once.
     let metrics = telemetry::start(&loaded.config.metrics).await?;
     let telemetry = metrics.as_ref().map(telemetry::MetricsServer::telemetry);
-    let session = Session::open(loaded).await?;
+    let session = Session::open(loaded, Purpose::Train).await?;
     let summary = session.run(start, interrupted, telemetry).await?;
     println!("{}", session::format_summary(&summary));
     Ok(())
@@ -224,7 +227,7 @@ async fn generate_command(
 ) -> anyhow::Result<()> {
     let loaded = config::load(config, overrides)?;
     single_policy(&loaded, "generate")?;
-    let session = Session::open(loaded).await?;
+    let session = Session::open(loaded, Purpose::Sample).await?;
     let stats = session.generate(limit, output).await?;
     println!("{stats}");
     Ok(())

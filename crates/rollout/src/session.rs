@@ -6,13 +6,13 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
 use rollout_core::config::LoadedConfig;
-use rollout_core::roles::{Observer, Record, RoleError, Tokenizer};
+use rollout_core::roles::{Generator, Learner, Observer, Record, RoleError, Tokenizer};
 use rollout_core::telemetry::{Observed, Telemetry};
 use rollout_core::train::{
     Agent, Controller, PolicyRoles, Roles, RunError, Start, Summary, Team, Trainees,
 };
 use rollout_python::HostError;
-use rollout_python::hosts::{PolicyHost, Services};
+use rollout_python::hosts::{OverlappedPolicy, PolicyHost, Services};
 use rollout_python::interpreter::{PythonError, PythonWorker};
 use tracing::Instrument;
 
@@ -38,7 +38,16 @@ pub struct AgentHost {
 /// The policies a run trains.
 enum Policies {
     One(Box<PolicyHost>),
+    /// One policy whose generation overlaps its training, on a copy of its own.
+    Overlapped(Box<OverlappedPolicy>),
     Team(Vec<AgentHost>),
+}
+
+/// What a session is opened for: only training overlaps generation with it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Purpose {
+    Train,
+    Sample,
 }
 
 /// A config with its plugins loaded and its data read.
@@ -50,7 +59,7 @@ pub struct Session {
 }
 
 impl Session {
-    pub async fn open(loaded: LoadedConfig) -> Result<Self, SessionError> {
+    pub async fn open(loaded: LoadedConfig, purpose: Purpose) -> Result<Self, SessionError> {
         let worker = rollout_python::interpreter::start(&loaded.config.python).await?;
         let policies = if loaded.config.multi_agent() {
             let mut agents = Vec::new();
@@ -70,6 +79,9 @@ impl Session {
                 });
             }
             Policies::Team(agents)
+        } else if purpose == Purpose::Train && loaded.config.overlaps_generation_in_process() {
+            let policy = OverlappedPolicy::load(worker.clone(), &loaded).await?;
+            Policies::Overlapped(Box::new(policy))
         } else {
             let policy = PolicyHost::load(worker.clone(), &loaded)
                 .instrument(tracing::info_span!("policy.load"))
@@ -90,6 +102,7 @@ impl Session {
     pub async fn report(&self) -> Result<String, SessionError> {
         match &self.policies {
             Policies::One(policy) => self.policy_report(policy).await,
+            Policies::Overlapped(policy) => self.policy_report(policy.learner()).await,
             Policies::Team(agents) => self.team_report(agents).await,
         }
     }
@@ -300,7 +313,8 @@ impl Session {
         let observer = Observed::new(&self.services, telemetry);
         let team;
         let trainees = match &self.policies {
-            Policies::One(policy) => Trainees::Policy(self.policy_roles(policy)),
+            Policies::One(policy) => Trainees::Policy(self.policy_roles(policy.as_ref())),
+            Policies::Overlapped(policy) => Trainees::Policy(self.policy_roles(policy.as_ref())),
             Policies::Team(agents) => {
                 team = self.team(agents)?;
                 Trainees::Team(&team)
@@ -320,7 +334,11 @@ impl Session {
     fn roles<'s>(&'s self, observer: &'s dyn Observer) -> Result<Roles<'s>, SessionError> {
         match &self.policies {
             Policies::One(policy) => Ok(Roles {
-                trainees: Trainees::Policy(self.policy_roles(policy)),
+                trainees: Trainees::Policy(self.policy_roles(policy.as_ref())),
+                observer,
+            }),
+            Policies::Overlapped(policy) => Ok(Roles {
+                trainees: Trainees::Policy(self.policy_roles(policy.learner())),
                 observer,
             }),
             Policies::Team(_) => Err(RunError::Data(
@@ -330,7 +348,10 @@ impl Session {
         }
     }
 
-    fn policy_roles<'s>(&'s self, policy: &'s PolicyHost) -> PolicyRoles<'s> {
+    fn policy_roles<'s, P>(&'s self, policy: &'s P) -> PolicyRoles<'s>
+    where
+        P: Generator + Learner + Tokenizer,
+    {
         PolicyRoles {
             generator: policy,
             learner: policy,

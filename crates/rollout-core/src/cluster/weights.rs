@@ -20,6 +20,8 @@ use rollout_net::{ClusterKey, NetError};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
+use crate::roles::RoleError;
+
 /// Folds bucket checksums, in order, into a version checksum.
 #[derive(Default)]
 pub(super) struct VersionHasher(twox_hash::XxHash3_128);
@@ -145,6 +147,25 @@ impl VersionBuffer {
         let count = self.count;
         let whole = tokio::time::timeout(limit, arrived.wait_for(|&n| n >= count)).await;
         matches!(whole, Ok(Ok(_))).then(|| self.checksum())
+    }
+
+    /// `announced` (this version's report) with the checksum, once every bucket is in.
+    pub async fn sealed_report(
+        &self,
+        announced: WeightsReport,
+        limit: Duration,
+    ) -> Result<WeightsReport, RoleError> {
+        match self.sealed(limit).await {
+            Some(checksum) => Ok(WeightsReport {
+                checksum,
+                ..announced
+            }),
+            None => Err(RoleError::Runtime(format!(
+                "weight version {} was not whole within {} s",
+                announced.version,
+                limit.as_secs()
+            ))),
+        }
     }
 
     /// Every tensor with its bytes, once all buckets are in (see [`TensorAssembler`]).

@@ -23,7 +23,8 @@ pub struct ClusterConfig {
     /// a random one for the processes it starts when neither is set.
     pub secret_file: Option<PathBuf>,
     /// How many policy versions behind the trainer a trained sample may have been generated.
-    /// Generation for later steps overlaps training when > 0; 0 is synchronous.
+    /// Generation for later steps overlaps training when > 0; 0 is synchronous. `rollout run`
+    /// reads it too: above 0 a generation copy of the policy samples on its own thread.
     pub max_staleness: u64,
     /// Seconds between heartbeats on every connection.
     pub heartbeat_seconds: f64,

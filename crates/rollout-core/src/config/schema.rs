@@ -372,6 +372,12 @@ impl Config {
     pub fn environment_sandboxed(&self) -> bool {
         self.sandbox.processes > 0 && self.sandbox.environments && self.environment.is_some()
     }
+
+    /// Whether `rollout run` generates on a copy of the policy while it trains: a single
+    /// policy that samples, with `[cluster] max_staleness` above 0.
+    pub fn overlaps_generation_in_process(&self) -> bool {
+        self.cluster.max_staleness > 0 && self.algorithm.name.samples() && !self.multi_agent()
+    }
 }
 
 fn default_true() -> bool {

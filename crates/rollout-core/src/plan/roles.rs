@@ -47,7 +47,8 @@ pub struct Role {
 /// `rollout run`: every role in one process (plus the sandbox processes, if any).
 pub fn in_process(inputs: &Inputs<'_>) -> Vec<Role> {
     let mut components = runtime(inputs.policy.options.device, process_runtime(inputs));
-    components.extend(policy_in_process(inputs));
+    let overlapped = inputs.config.overlaps_generation_in_process();
+    components.extend(policy_in_process(inputs, overlapped));
     let mut roles = vec![Role {
         name: "run".into(),
         components,
@@ -56,22 +57,48 @@ pub fn in_process(inputs: &Inputs<'_>) -> Vec<Role> {
     roles
 }
 
-/// A policy's weights, generation and training in the run's process.
-fn policy_in_process(inputs: &Inputs<'_>) -> Vec<Component> {
+/// A policy's weights, generation and training in the run's process. `overlapped`:
+/// generation runs on a copy of the policy during training (`cluster.max_staleness` > 0),
+/// so its memory adds to training's.
+fn policy_in_process(inputs: &Inputs<'_>, overlapped: bool) -> Vec<Component> {
     let workload = Workload::of(inputs.config, inputs.policy.shape, inputs.samples, 1);
     let mut components = vec![inputs.policy.weights()];
     if inputs.samples {
-        components.extend(generation(inputs, &workload));
+        let mut sampling = generation(inputs, &workload);
+        if overlapped {
+            sampling.extend(generation_copy(inputs));
+            for part in &mut sampling {
+                part.phases = Phases::ALL;
+            }
+        }
+        components.extend(sampling);
     }
     components.extend(training(inputs, &workload, 1, true));
     components
+}
+
+/// The generation copy of an overlapped run and the weight versions handed to it: the one
+/// it serves and the next, exported as float32 buckets.
+fn generation_copy(inputs: &Inputs<'_>) -> [Component; 2] {
+    let copy = Component {
+        name: "generation copy",
+        ..inputs.policy.weights()
+    };
+    let versions = component(
+        "weight versions",
+        Device::Cpu,
+        (2 * inputs.policy.trainable * 4) as f64,
+        Phases::ALL,
+        "float32 buckets: the version the generation copy serves and the next".into(),
+    );
+    [copy, versions]
 }
 
 /// Another agent of a multi-agent run: its own policy in the run's process.
 pub fn agent_in_process(name: &str, inputs: &Inputs<'_>) -> Role {
     Role {
         name: format!("agent {name}"),
-        components: policy_in_process(inputs),
+        components: policy_in_process(inputs, false),
     }
 }
 

@@ -276,6 +276,36 @@ fn only_a_background_checkpoint_during_the_run_is_copied_on_the_host() {
 }
 
 #[test]
+fn generation_overlapping_training_adds_its_copy_and_generates_while_training() {
+    let setup = Setup::new();
+    let synchronous = setup.plan("", "");
+    let overlapped = setup.plan("", "[cluster]\nmax_staleness = 1\n");
+    assert!(!has(&synchronous, "generation copy"));
+    assert_eq!(part(&overlapped, 0, "generation copy"), 4 * PARAMS);
+    assert_eq!(part(&overlapped, 0, "weight versions"), 2 * 4 * PARAMS);
+    // Training no longer frees the phase generation held: the peak holds both at once.
+    let peak = |plan: &Plan| plan.roles[0].devices[0].peak_bytes;
+    let added = 4 * PARAMS + 2 * 4 * PARAMS;
+    assert!(peak(&overlapped) >= peak(&synchronous) + added);
+    let forward_phases = |plan: &Plan| {
+        plan.roles[0].devices[0]
+            .components
+            .iter()
+            .find(|c| c.name == "generation forward")
+            .map(|c| c.phases.clone())
+            .unwrap()
+    };
+    assert!(!forward_phases(&synchronous).contains(&"train"));
+    assert!(forward_phases(&overlapped).contains(&"train"));
+    // Without sampling (SFT) there is nothing to overlap.
+    let sft = setup.plan(
+        "",
+        "[cluster]\nmax_staleness = 1\n[algorithm]\nname = \"sft\"\n",
+    );
+    assert!(!has(&sft, "generation copy"));
+}
+
+#[test]
 fn launch_plans_controller_workers_and_ranks() {
     let setup = Setup::new();
     let loaded = setup.load(

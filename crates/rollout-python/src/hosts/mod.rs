@@ -1,10 +1,12 @@
 //! Roles on this process's embedded interpreter: [`PolicyHost`] (generation, training and
 //! the tokenizer, on one policy plugin) and [`Services`] (rewards, environments, data and
-//! callbacks). `rollout run` uses both; a generation worker or trainer process hosts a
-//! policy; a distributed run's controller hosts the services.
+//! callbacks). `rollout run` uses both (with [`OverlappedPolicy`] when generation overlaps
+//! training); a generation worker or trainer process hosts a policy; a distributed run's
+//! controller hosts the services.
 
 mod episodes;
 mod live_episodes;
+mod overlapped;
 mod policy;
 mod scoring;
 mod services;
@@ -16,6 +18,7 @@ use tracing::Instrument;
 
 use crate::interpreter::PythonError;
 
+pub use overlapped::OverlappedPolicy;
 pub use policy::PolicyHost;
 pub use services::Services;
 

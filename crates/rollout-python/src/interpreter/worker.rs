@@ -1,8 +1,8 @@
-//! The thread that owns the embedded interpreter.
+//! The threads that run jobs on the embedded interpreter.
 //!
-//! One dedicated OS thread attaches to Python once and runs jobs (`FnOnce(Python)`) sent
+//! A dedicated OS thread attaches to Python once and runs jobs (`FnOnce(Python)`) sent
 //! over a channel, detaching while it waits, so tokio threads never block on the GIL. Python
-//! objects are created, used and dropped inside jobs on this thread; handles held elsewhere
+//! objects are created, used and dropped inside jobs on these threads; handles held elsewhere
 //! (`Py<T>`) are only cloned or dropped, which PyO3 defers to an attached thread.
 
 use std::path::Path;
@@ -24,14 +24,27 @@ pub struct PythonWorker {
 impl PythonWorker {
     /// Starts the interpreter on its own thread and prepares `sys.path` from `setup`.
     pub fn start(setup: PythonSetup) -> Result<Self, PythonError> {
+        Self::spawn("python", move |py| prepare(py, &setup))
+    }
+
+    /// A second thread on this worker's interpreter, with its own queue: its jobs run while
+    /// this worker's wait on the GIL, which torch releases inside its operators.
+    pub fn sibling(&self, name: &str) -> Result<Self, PythonError> {
+        Self::spawn(name, |_| Ok(()))
+    }
+
+    fn spawn<P>(name: &str, prepare: P) -> Result<Self, PythonError>
+    where
+        P: for<'py> FnOnce(Python<'py>) -> Result<(), PythonError> + Send + 'static,
+    {
         let (jobs, queue) = crossbeam_channel::unbounded::<Job>();
         let (ready_tx, ready_rx) = crossbeam_channel::bounded(1);
         let (idle_tx, idle_rx) = crossbeam_channel::bounded(1);
         std::thread::Builder::new()
-            .name("python".into())
+            .name(name.into())
             .spawn(move || {
                 Python::attach(|py| {
-                    let ready = prepare(py, &setup);
+                    let ready = prepare(py);
                     let ok = ready.is_ok();
                     let _ = ready_tx.send(ready);
                     if !ok {

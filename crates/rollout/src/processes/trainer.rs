@@ -7,7 +7,7 @@ use std::ops::ControlFlow;
 use bytes::Bytes;
 use rollout_core::cluster::weights::WeightStore;
 use rollout_core::config::{LoadedConfig, Sharding};
-use rollout_core::roles::{Learner, RoleError, SaveWritten};
+use rollout_core::roles::{Learner, SaveWritten};
 use rollout_net::messages::{
     CheckpointRequest, Done, MessageKind, PublishWeights, TrainRequest, ValuesRequest,
     WeightsReport,
@@ -271,14 +271,7 @@ async fn publish(
     }
     let responder = responder.clone();
     let sealing = async move {
-        let sealed = buffer.sealed(WEIGHT_WAIT).await.ok_or_else(|| {
-            RoleError::Runtime(format!(
-                "weight version {} was not whole within {} s",
-                report.version,
-                WEIGHT_WAIT.as_secs()
-            ))
-        });
-        let sealed = sealed.map(|checksum| WeightsReport { checksum, ..report });
+        let sealed = buffer.sealed_report(report, WEIGHT_WAIT).await;
         answer(&responder, call, sealed);
     };
     tokio::spawn(sealing.in_current_span());
