@@ -8,11 +8,12 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.e2e.harness import ROLLOUT, learning_signal, metrics, run, samples, write_config
+from tests.e2e.harness import ROLLOUT, cluster, learning_signal, metrics, run, samples, write_config
 
 REQUIRED_METRICS = {
     "step",
@@ -86,8 +87,12 @@ def test_resume_continues_exactly(tmp_path: Path, artifacts: Path) -> None:
     assert learning_signal(metrics(straight)) == learning_signal(metrics(split))
 
 
-def test_ctrl_c_stops_cleanly_with_a_valid_checkpoint(tmp_path: Path, artifacts: Path) -> None:
-    config = write_config(tmp_path, artifacts, steps=500)
+# Overlapped, Ctrl-C comes while the generation copy samples the next step on its own thread.
+@pytest.mark.parametrize("staleness", [0, 1], ids=["synchronous", "overlapped"])
+def test_ctrl_c_stops_cleanly_with_a_valid_checkpoint(
+    tmp_path: Path, artifacts: Path, staleness: int
+) -> None:
+    config = write_config(tmp_path, artifacts, cluster(1, 1, staleness), steps=500)
     process = subprocess.Popen(
         [str(ROLLOUT), "run", str(config), "--set", "checkpoint.every=0"],
         cwd=tmp_path,
@@ -108,6 +113,7 @@ def test_ctrl_c_stops_cleanly_with_a_valid_checkpoint(tmp_path: Path, artifacts:
     state = json.loads((tmp_path / "out" / "checkpoints" / latest / "state.json").read_text())
     assert state["step"] == len(metrics(tmp_path)) >= 2
     assert "interrupted" in stderr
+    assert ("generation copy" in stderr) == (staleness > 0)
     resumed = run(config, "--resume", "--set", f"run.steps={state['step'] + 1}")
     assert resumed.returncode == 0
     assert metrics(tmp_path)[-1]["step"] == state["step"] + 1

@@ -53,7 +53,7 @@ pub fn in_process(inputs: &Inputs<'_>) -> Vec<Role> {
         name: "run".into(),
         components,
     }];
-    place_reward_models(inputs, &mut roles);
+    place_sandboxes(inputs, &mut roles);
     roles
 }
 
@@ -164,7 +164,7 @@ pub fn launch(inputs: &Inputs<'_>) -> Vec<Role> {
             components,
         });
     }
-    place_reward_models(inputs, &mut roles);
+    place_sandboxes(inputs, &mut roles);
     roles
 }
 
@@ -216,10 +216,14 @@ fn controller_model_libraries(inputs: &Inputs<'_>) -> Option<Component> {
     if !config.environment_sandboxed() {
         hosted.extend(config.environment.iter().map(|e| &e.options));
     }
-    hosted
-        .iter()
+    has_tokenizer(hosted).then(|| model_libraries("for a plugin's `tokenizer`"))
+}
+
+/// Whether a plugin of these options loads a tokenizer (and so transformers).
+fn has_tokenizer<'a>(options: impl IntoIterator<Item = &'a toml::Table>) -> bool {
+    options
+        .into_iter()
         .any(|options| options.contains_key("tokenizer"))
-        .then(|| model_libraries("for a plugin's `tokenizer`"))
 }
 
 /// The process baseline, and on CUDA the driver's host memory and the device's context.
@@ -560,12 +564,48 @@ fn snapshot(inputs: &Inputs<'_>) -> Component {
 }
 
 /// Reward models load where rewards are scored: the run's (or controller's) process, or
-/// each sandbox process.
-fn place_reward_models(inputs: &Inputs<'_>, roles: &mut Vec<Role>) {
-    if inputs.reward_models.is_empty() {
-        return;
+/// each process of the reward sandbox. The sandbox's pools (one for rewards, one for the
+/// environment's episodes, `[sandbox] processes` each) are processes of their own.
+fn place_sandboxes(inputs: &Inputs<'_>, roles: &mut Vec<Role>) {
+    let config = inputs.config;
+    let models = reward_models(inputs);
+    if !config.rewards_sandboxed() {
+        if let Some(first) = roles.first_mut() {
+            first.components.extend(models);
+        }
+    } else {
+        let mut components = vec![plain_runtime(
+            SANDBOX_RUNTIME_BYTES,
+            "Python and the reward plugins",
+        )];
+        if !models.is_empty() {
+            components.push(model_libraries("for the reward models"));
+        } else if has_tokenizer(config.rewards.iter().map(|r| &r.options)) {
+            components.push(model_libraries("for a reward's `tokenizer`"));
+        }
+        components.extend(models);
+        push_pool(roles, "sandbox", config.sandbox.processes, &components);
     }
-    let models: Vec<Component> = inputs
+    if config.environment_sandboxed() {
+        let mut components = vec![plain_runtime(
+            SANDBOX_RUNTIME_BYTES,
+            "Python and the environment plugin",
+        )];
+        if has_tokenizer(config.environment.iter().map(|e| &e.options)) {
+            components.push(model_libraries("for the environment's `tokenizer`"));
+        }
+        push_pool(
+            roles,
+            "environment sandbox",
+            config.sandbox.processes,
+            &components,
+        );
+    }
+}
+
+/// The weights of each reward model of the run.
+fn reward_models(inputs: &Inputs<'_>) -> Vec<Component> {
+    inputs
         .reward_models
         .iter()
         .map(|(reward, shape)| {
@@ -582,23 +622,13 @@ fn place_reward_models(inputs: &Inputs<'_>, roles: &mut Vec<Role>) {
                 ),
             )
         })
-        .collect();
-    let processes = inputs.config.sandbox.processes;
-    if processes == 0 {
-        if let Some(first) = roles.first_mut() {
-            first.components.extend(models);
-        }
-        return;
-    }
-    for index in 0..processes {
-        let mut components = vec![
-            plain_runtime(SANDBOX_RUNTIME_BYTES, "Python and the reward plugins"),
-            model_libraries("for the reward models"),
-        ];
-        components.extend(models.iter().cloned());
-        roles.push(Role {
-            name: format!("sandbox {index}"),
-            components,
-        });
-    }
+        .collect()
+}
+
+/// `processes` sandbox processes named `<name> <index>`, each holding `components`.
+fn push_pool(roles: &mut Vec<Role>, name: &str, processes: usize, components: &[Component]) {
+    roles.extend((0..processes).map(|index| Role {
+        name: format!("{name} {index}"),
+        components: components.to_vec(),
+    }));
 }

@@ -399,6 +399,57 @@ fn the_controller_counts_model_libraries_only_where_its_plugins_load_them() {
     assert!(part(&sandboxed, sandbox, "reward model") > 0);
 }
 
+/// Each pool of the sandbox (rewards, the environment's episodes) is `processes` processes
+/// of its own, with torch and transformers only where a plugin there loads them.
+#[test]
+fn every_sandbox_process_is_planned_with_what_its_plugins_load() {
+    let setup = Setup::new();
+    let roles = |extra: &str| -> Vec<(String, u64, u64)> {
+        let plan = setup.plan("", extra);
+        (0..plan.roles.len())
+            .filter(|&role| plan.roles[role].role.contains("sandbox"))
+            .map(|role| {
+                let runtime = part(&plan, role, "runtime");
+                (
+                    plan.roles[role].role.clone(),
+                    runtime,
+                    part(&plan, role, "torch and transformers"),
+                )
+            })
+            .collect()
+    };
+    let plain = 100 << 20;
+    assert!(roles("").is_empty());
+    // The config's reward is a plain plugin: two processes of Python alone.
+    assert_eq!(
+        roles("[sandbox]\nprocesses = 2\n"),
+        vec![
+            ("sandbox 0".into(), plain, 0),
+            ("sandbox 1".into(), plain, 0)
+        ]
+    );
+    let environment = "[environment]\nplugin = \"e:E\"\noptions = { tokenizer = \"t\" }\n";
+    let both = roles(&format!(
+        "{environment}[sandbox]\nprocesses = 2\nenvironments = true\n"
+    ));
+    let names: Vec<&str> = both.iter().map(|(name, _, _)| name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "sandbox 0",
+            "sandbox 1",
+            "environment sandbox 0",
+            "environment sandbox 1"
+        ]
+    );
+    // The environment's tokenizer loads transformers in each of its processes only.
+    assert_eq!(both[0].2, 0);
+    assert_eq!(both[2].2, 620 << 20);
+    // Episodes played in the run's process add no sandbox process.
+    let in_run = format!("{environment}[sandbox]\nprocesses = 2\nenvironments = false\n");
+    assert_eq!(roles(&in_run).len(), 2);
+}
+
 fn plan_external(loaded: &LoadedConfig) -> Plan {
     plan(
         loaded,
