@@ -70,7 +70,7 @@ impl OverlappedPolicy {
         })
     }
 
-    /// The trained copy (what `rollout check` and `rollout generate` use).
+    /// The trained copy.
     pub fn learner(&self) -> &PolicyHost {
         &self.learner
     }
