@@ -8,6 +8,7 @@ mod hub_cache;
 mod memory;
 mod model;
 mod options;
+mod plugin_processes;
 mod report;
 mod roles;
 mod workload;
