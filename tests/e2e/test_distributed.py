@@ -9,6 +9,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -64,6 +65,7 @@ def test_generation_overlapping_training_in_one_process_reproduces_one_worker_an
     local_config = write_config(local_dir, artifacts, section, steps=5)
     local_run = run(local_config)
     assert "generation copy" in local_run.stderr
+    assert "share torch's" not in local_run.stderr  # the policy sets torch_threads = 1
     launch(write_config(cluster_dir, artifacts, section, steps=5))
 
     local, remote = metrics(local_dir), metrics(cluster_dir)
@@ -82,6 +84,22 @@ def test_generation_overlapping_training_in_one_process_reproduces_one_worker_an
     assert [line["step"] for line in lines] == list(range(1, 8))
     assert [line["staleness_max"] for line in lines[5:]] == [0, 1]
     assert lines[5]["generation_weight_version"] == lines[4]["weight_version"]
+
+
+def test_overlapping_copies_share_torch_threads_when_the_policy_leaves_them_to_torch(
+    tmp_path: Path, artifacts: Path
+) -> None:
+    default = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    threads = int(default.stdout)
+    left_to_torch = {"policy.options.torch_threads": None}
+    result = run(write_config(tmp_path, artifacts, cluster(1, 1, 1), left_to_torch, steps=1))
+    learner, generator = max(1, -(-threads // 2)), max(1, threads // 2)
+    assert f"share torch's {threads} threads: {learner} training, {generator} generating" in result.stderr
 
 
 def test_two_workers_two_trainers_overlap_generation_within_the_staleness_bound(
