@@ -39,6 +39,7 @@ def test_staleness_zero_with_one_worker_and_one_trainer_reproduces_rollout_run(
     run(write_config(local_dir, artifacts, section, steps=4))
     launched = launch(write_config(cluster_dir, artifacts, section, steps=4))
     assert "started worker-0" in launched.stderr and "started trainer-0" in launched.stderr
+    assert "torch threads per process" not in launched.stderr  # the policy sets torch_threads
 
     local, remote = metrics(local_dir), metrics(cluster_dir)
     assert [line["step"] for line in remote] == [1, 2, 3, 4]
@@ -86,20 +87,31 @@ def test_generation_overlapping_training_in_one_process_reproduces_one_worker_an
     assert lines[5]["generation_weight_version"] == lines[4]["weight_version"]
 
 
-def test_overlapping_copies_share_torch_threads_when_the_policy_leaves_them_to_torch(
+def test_processes_and_threads_computing_at_once_share_the_cores_when_the_policy_leaves_them_to_torch(
     tmp_path: Path, artifacts: Path
 ) -> None:
+    env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
     default = subprocess.run(
         [sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
         capture_output=True,
         text=True,
         check=True,
+        env=env,
     )
     threads = int(default.stdout)
     left_to_torch = {"policy.options.torch_threads": None}
-    result = run(write_config(tmp_path, artifacts, cluster(1, 1, 1), left_to_torch, steps=1))
+    local_dir, cluster_dir = tmp_path / "local", tmp_path / "cluster"
+    local_dir.mkdir()
+    cluster_dir.mkdir()
+    # `rollout run`: the two copies of the policy split torch's threads.
+    result = run(write_config(local_dir, artifacts, cluster(1, 1, 1), left_to_torch, steps=1), env=env)
     learner, generator = max(1, -(-threads // 2)), max(1, threads // 2)
     assert f"share torch's {threads} threads: {learner} training, {generator} generating" in result.stderr
+    # `rollout launch`: two workers and a trainer rank, computing at once, split the cores.
+    result = launch(write_config(cluster_dir, artifacts, cluster(2, 1, 1), left_to_torch, steps=1), env=env)
+    cores = len(os.sched_getaffinity(0))
+    each = max(1, cores // 3)
+    assert f"{each} for each generation worker, {each} for each trainer rank" in result.stderr
 
 
 def test_two_workers_two_trainers_overlap_generation_within_the_staleness_bound(

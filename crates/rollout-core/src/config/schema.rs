@@ -115,6 +115,18 @@ pub struct PluginConfig {
     pub options: toml::Table,
 }
 
+impl PluginConfig {
+    /// The plugin's `torch_threads` option when above 0 (the count the Hugging Face policy
+    /// gives torch); `None` leaves the count to torch.
+    pub fn torch_threads(&self) -> Option<u64> {
+        self.options
+            .get("torch_threads")
+            .and_then(toml::Value::as_integer)
+            .and_then(|threads| u64::try_from(threads).ok())
+            .filter(|&threads| threads > 0)
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct DataConfig {
@@ -398,4 +410,22 @@ fn default_sft_batch() -> usize {
 
 fn default_completion_key() -> String {
     "answer".into()
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::PluginConfig;
+
+    #[test]
+    fn only_a_positive_torch_threads_sets_the_count() {
+        let policy = |options: &str| PluginConfig {
+            plugin: "p:P".into(),
+            options: options.parse().unwrap(),
+        };
+        assert_eq!(policy("torch_threads = 2").torch_threads(), Some(2));
+        assert_eq!(policy("torch_threads = 0").torch_threads(), None);
+        assert_eq!(policy("torch_threads = -1").torch_threads(), None);
+        assert_eq!(policy("model_path = 'm'").torch_threads(), None);
+    }
 }

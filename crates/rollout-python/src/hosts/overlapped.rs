@@ -59,7 +59,7 @@ impl OverlappedPolicy {
         let generator = PolicyHost::load(generation_worker.clone(), loaded)
             .instrument(tracing::info_span!("policy.load", copy = "generation"))
             .await?;
-        if !sets_torch_threads(&loaded.config.policy.options) {
+        if loaded.config.policy.torch_threads().is_none() {
             share_torch_threads(&worker, &generation_worker).await?;
         }
         tracing::info!(
@@ -204,14 +204,6 @@ impl Tokenizer for OverlappedPolicy {
     }
 }
 
-/// Whether the policy's options choose its torch threads (`torch_threads` above 0).
-fn sets_torch_threads(options: &toml::Table) -> bool {
-    options
-        .get("torch_threads")
-        .and_then(toml::Value::as_integer)
-        .is_some_and(|threads| threads > 0)
-}
-
 /// How many torch threads each copy runs when the policy leaves the count to torch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct ThreadSplit {
@@ -352,14 +344,6 @@ mod tests {
         assert_eq!(split(16), (8, 8));
         assert_eq!(split(1), (1, 1));
         assert_eq!(split(0), (1, 1));
-    }
-
-    #[test]
-    fn only_a_positive_torch_threads_chooses_the_count() {
-        let options = |text: &str| text.parse::<toml::Table>().unwrap();
-        assert!(sets_torch_threads(&options("torch_threads = 2")));
-        assert!(!sets_torch_threads(&options("torch_threads = 0")));
-        assert!(!sets_torch_threads(&options("model_path = 'm'")));
     }
 
     #[tokio::test]

@@ -11,6 +11,7 @@ use rollout_core::config::{ClusterConfig, DeviceAssignment, ProcessDevices};
 use tokio::process::{Child, Command};
 
 use super::ClusterError;
+use super::threads::ThreadShares;
 
 /// One role process `rollout launch` started, and how to start it again.
 struct Role {
@@ -61,15 +62,19 @@ struct RoleCommands {
     tls: Option<bool>,
     /// Each process's devices; `None`: each inherits this process's environment.
     devices: Option<DeviceAssignment>,
+    /// Each process's torch threads; `None`: each inherits this process's environment.
+    threads: Option<ThreadShares>,
 }
 
 impl RoleCommands {
-    /// The command of the role `name`, with `args`, on the devices `placed` gives it.
+    /// The command of the role `name`, with `args`, on the devices `placed` gives it, with
+    /// `torch_threads` threads.
     fn command(
         &self,
         name: &str,
         args: &[String],
         placed: Option<&ProcessDevices>,
+        torch_threads: Option<usize>,
     ) -> std::process::Command {
         let mut command = std::process::Command::new(&self.exe);
         if self.verbose {
@@ -96,6 +101,9 @@ impl RoleCommands {
             tracing::info!("{name} gets CUDA devices {}", placed.devices.join(","));
             command.envs(placed.environment());
         }
+        if let Some(threads) = torch_threads {
+            command.env("OMP_NUM_THREADS", threads.to_string());
+        }
         command
     }
 }
@@ -103,10 +111,12 @@ impl RoleCommands {
 impl Children {
     /// Starts `cluster.workers` generation workers and one trainer rank per slot of
     /// `trainer_slots`, connecting to `controller` with the secret in `secret_file`, each on
-    /// the devices `devices` gives it (`None`: each inherits this process's environment).
+    /// the devices `devices` gives it and with the torch threads `threads` gives it (`None`:
+    /// each inherits this process's environment).
     pub fn start(
         cluster: &ClusterConfig,
         devices: Option<&DeviceAssignment>,
+        threads: Option<ThreadShares>,
         controller: SocketAddr,
         secret_file: &std::path::Path,
         verbose: bool,
@@ -118,6 +128,7 @@ impl Children {
             verbose,
             tls: cluster.tls,
             devices: devices.cloned(),
+            threads,
         };
         let mut children = Children {
             roles: Vec::new(),
@@ -132,7 +143,8 @@ impl Children {
                 .devices
                 .as_ref()
                 .map(|d| &d.workers[index]);
-            let command = children.commands.command(&name, &args, placed);
+            let threads = children.commands.threads.map(|shares| shares.worker);
+            let command = children.commands.command(&name, &args, placed, threads);
             children.spawn(name, command, None)?;
         }
         let slots: Vec<usize> = (0..cluster.trainers as usize).collect();
@@ -174,7 +186,8 @@ impl Children {
                 slots.len().to_string(),
             ];
             let placed = self.commands.devices.as_ref().map(|d| &d.trainers[slot]);
-            let mut command = self.commands.command(&name, &args, placed);
+            let threads = self.commands.threads.map(|shares| shares.trainer);
+            let mut command = self.commands.command(&name, &args, placed, threads);
             command
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", master_port.to_string());

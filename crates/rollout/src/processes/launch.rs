@@ -18,6 +18,7 @@ use rollout_net::ClusterKey;
 
 use super::children::{Children, Exited};
 use super::secret::{self, RoleSecret, SECRET_ENV};
+use super::threads::ThreadShares;
 use crate::processes::ClusterError;
 use crate::session::format_summary;
 
@@ -48,6 +49,7 @@ pub(crate) async fn launch(
             let started = Children::start(
                 cluster_config,
                 devices.as_ref(),
+                ThreadShares::for_local_roles(&loaded.config),
                 address,
                 &secret.file,
                 verbose,

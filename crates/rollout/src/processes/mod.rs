@@ -9,6 +9,7 @@ pub mod controller;
 pub mod joining;
 pub mod launch;
 pub mod secret;
+pub mod threads;
 pub mod trainer;
 pub mod worker;
 
