@@ -225,7 +225,7 @@ impl ThreadSplit {
 /// Gives each copy its share of torch's threads (thread counts are per interpreter thread),
 /// where the policy imported torch. Two copies each running one thread per core slow each
 /// other down: on 2 cores a step of the 1M-parameter benchmark model took 0.042-0.048 s
-/// that way against 0.034-0.035 s split.
+/// that way against 0.033-0.036 s split.
 async fn share_torch_threads(
     learner: &PythonWorker,
     generator: &PythonWorker,
