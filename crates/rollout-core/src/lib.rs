@@ -13,4 +13,5 @@ pub mod sandbox;
 pub mod scheduler;
 pub mod seeds;
 pub mod telemetry;
+pub mod threads;
 pub mod train;

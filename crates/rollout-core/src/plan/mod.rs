@@ -5,6 +5,7 @@
 
 mod estimate;
 mod hub_cache;
+mod inputs;
 mod memory;
 mod model;
 mod options;
@@ -27,7 +28,7 @@ pub use options::{Device, Dtype, Lora, Optimizer, PolicyOptions, Quantization};
 pub use report::render;
 pub use workload::Workload;
 
-use roles::{ExtraModel, Inputs, Role};
+use inputs::{ExtraModel, Inputs, Role};
 
 #[derive(Debug, thiserror::Error)]
 pub enum PlanError {
@@ -210,7 +211,7 @@ fn other_agents(
     cuda: bool,
     host: Option<u64>,
     limit: Option<u64>,
-) -> Result<Vec<roles::Role>, PlanError> {
+) -> Result<Vec<Role>, PlanError> {
     let mut agents = Vec::new();
     for spec in loaded.config.agent_specs().into_iter().skip(1) {
         let agent = with_policy(loaded, spec.policy);

@@ -6,8 +6,8 @@ use super::estimate::{
     Component, MODEL_LIBRARIES_BYTES, Phases, SANDBOX_RUNTIME_BYTES, component, count,
     frozen_weights_bytes,
 };
+use super::inputs::{Inputs, Role};
 use super::options::{Device, Quantization};
-use super::roles::{Inputs, Role};
 
 /// The baseline of a process that holds no policy (a controller, a sandbox process).
 pub(super) fn plain_runtime(bytes: u64, detail: &str) -> Component {

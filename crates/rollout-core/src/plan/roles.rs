@@ -4,46 +4,14 @@
 
 use super::estimate::{
     CONTROLLER_RUNTIME_BYTES, CUDA_CONTEXT_BYTES, CUDA_HOST_RUNTIME_BYTES, Component,
-    PEFT_BITSANDBYTES_BYTES, Phases, PolicyMemory, RUNTIME_BYTES, component, count,
-    frozen_weights_bytes, kv_cache,
+    PEFT_BITSANDBYTES_BYTES, Phases, RUNTIME_BYTES, component, count, frozen_weights_bytes,
+    kv_cache,
 };
-use super::model::ModelShape;
-use super::options::{Device, Quantization, RewardModel};
+use super::inputs::{Inputs, Role};
+use super::options::{Device, Quantization};
 use super::plugin_processes::{controller_model_libraries, place_sandboxes, plain_runtime};
 use super::workload::Workload;
-use crate::config::{Config, FsdpConfig, Sharding};
-
-/// A separately loaded model the policy holds besides its own (reference, draft).
-#[derive(Debug, Clone, PartialEq)]
-pub struct ExtraModel {
-    pub shape: ModelShape,
-    pub quantization: Quantization,
-}
-
-/// Everything the role estimates are computed from.
-#[derive(Debug, Clone)]
-pub struct Inputs<'a> {
-    pub config: &'a Config,
-    pub policy: PolicyMemory<'a>,
-    /// `Some` when the run uses a reference; its model is `None` when it is the policy's base
-    /// with the adapters disabled (LoRA: no second copy).
-    pub reference: Option<Option<ExtraModel>>,
-    pub draft: Option<ModelShape>,
-    pub reward_models: Vec<(RewardModel, ModelShape)>,
-    /// Whether the run samples (not DPO or SFT).
-    pub samples: bool,
-    /// Preference pairs (DPO): two sequences per record.
-    pub pairs: bool,
-    /// Free memory of the policy's device, for the engine's `kv_cache_fraction` budget.
-    pub device_free: Option<u64>,
-}
-
-/// One process and its memory.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Role {
-    pub name: String,
-    pub components: Vec<Component>,
-}
+use crate::config::{FsdpConfig, Sharding};
 
 /// `rollout run`: every role in one process (plus the sandbox processes, if any).
 pub fn in_process(inputs: &Inputs<'_>) -> Vec<Role> {

@@ -6,11 +6,12 @@
 use std::sync::Arc;
 
 use pyo3::prelude::*;
-use rollout_core::config::{KeyPath, LoadedConfig, SandboxConfig, Segment, reward_name};
+use rollout_core::config::{Config, KeyPath, LoadedConfig, Segment, reward_name};
 use rollout_core::sandbox::protocol::{EnvironmentSpec, RewardSpec, table_to_json};
 use rollout_core::sandbox::{
     EnvironmentPoolSpec, FailureLedger, Launch, PoolSpec, SandboxError, inherited_environment,
 };
+use rollout_core::threads::{THREADS_VARIABLE, available_cores, share};
 
 use super::{PluginError, PluginFailure, PluginLoadError};
 use crate::interpreter::PythonError;
@@ -41,19 +42,35 @@ pub fn sandbox_launch(py: Python<'_>) -> Result<Launch, PythonError> {
     })
 }
 
-/// `launch`, passing on the environment `[sandbox]` lets workers have.
-fn inheriting(launch: Launch, sandbox: &SandboxConfig) -> Launch {
+/// `launch`, passing on the environment `[sandbox]` lets workers have, and with each
+/// worker's share of the cores when this process's environment leaves torch's threads open.
+fn inheriting(launch: Launch, config: &Config) -> Launch {
+    let mut env = launch.env;
+    let threads_set_here = std::env::var_os(THREADS_VARIABLE).is_some();
+    if let Some(threads) = worker_threads(config, available_cores(), threads_set_here) {
+        env.push((THREADS_VARIABLE.into(), threads.to_string()));
+    }
     Launch {
-        inherit: inherited_environment(&sandbox.pass_environment),
+        env,
+        inherit: inherited_environment(&config.sandbox.pass_environment),
         ..launch
     }
+}
+
+/// Each sandbox worker's torch threads: `cores` shared by the workers of `config`'s pools,
+/// which score (and play episodes) at the same time; `None` when this process's
+/// `OMP_NUM_THREADS` (`threads_set_here`), which the workers inherit, decides.
+fn worker_threads(config: &Config, cores: usize, threads_set_here: bool) -> Option<usize> {
+    let pools =
+        usize::from(config.rewards_sandboxed()) + usize::from(config.environment_sandboxed());
+    (!threads_set_here).then(|| share(cores, config.sandbox.processes * pools))
 }
 
 /// The pool for the config's `[[rewards]]` and `[sandbox]`.
 pub fn pool_spec(loaded: &LoadedConfig, launch: Launch, ledger: Arc<FailureLedger>) -> PoolSpec {
     let config = &loaded.config;
     PoolSpec {
-        launch: inheriting(launch, &config.sandbox),
+        launch: inheriting(launch, config),
         rewards: config
             .rewards
             .iter()
@@ -78,7 +95,7 @@ pub fn environment_pool_spec(
     let config = &loaded.config;
     let environment = config.environment.as_ref()?;
     Some(EnvironmentPoolSpec {
-        launch: inheriting(launch, &config.sandbox),
+        launch: inheriting(launch, config),
         environment: EnvironmentSpec {
             plugin: environment.plugin.clone(),
             options: table_to_json(&environment.options),
@@ -141,4 +158,38 @@ pub fn sandbox_load_error(
         }),
     }
     .into())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use std::path::Path;
+
+    use rollout_core::config::load_text;
+
+    use super::*;
+
+    fn config(extra: &str) -> Config {
+        let text = format!(
+            "[policy]\nplugin = \"p:P\"\n[data]\nplugin = \"d:D\"\n\
+             [[rewards]]\nplugin = \"r:R\"\n{extra}"
+        );
+        load_text(Path::new("sandbox.toml"), text, &[])
+            .unwrap()
+            .config
+    }
+
+    #[test]
+    fn sandbox_workers_share_the_cores_unless_the_environment_sets_the_threads() {
+        let rewards = config("[sandbox]\nprocesses = 2\n");
+        assert_eq!(worker_threads(&rewards, 16, false), Some(8));
+        assert_eq!(worker_threads(&rewards, 2, false), Some(1));
+        assert_eq!(worker_threads(&rewards, 16, true), None);
+        let with_episodes = config("[environment]\nplugin = \"e:E\"\n[sandbox]\nprocesses = 2\n");
+        assert_eq!(worker_threads(&with_episodes, 16, false), Some(4));
+        let episodes_in_process = config(
+            "[environment]\nplugin = \"e:E\"\n[sandbox]\nprocesses = 2\nenvironments = false\n",
+        );
+        assert_eq!(worker_threads(&episodes_in_process, 16, false), Some(8));
+    }
 }

@@ -8,6 +8,7 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
 use rollout_core::config::{ClusterConfig, DeviceAssignment, ProcessDevices};
+use rollout_core::threads::THREADS_VARIABLE;
 use tokio::process::{Child, Command};
 
 use super::ClusterError;
@@ -102,7 +103,7 @@ impl RoleCommands {
             command.envs(placed.environment());
         }
         if let Some(threads) = torch_threads {
-            command.env("OMP_NUM_THREADS", threads.to_string());
+            command.env(THREADS_VARIABLE, threads.to_string());
         }
         command
     }

@@ -5,9 +5,8 @@
 //! `configs/distributed.toml` without `torch_threads` took 1.0-1.5 s per step against
 //! 0.15-0.17 s with one thread each.
 
-use std::num::NonZeroUsize;
-
 use rollout_core::config::Config;
+use rollout_core::threads::{THREADS_VARIABLE, available_cores, share};
 
 /// `OMP_NUM_THREADS` of each generation worker and each trainer rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -21,17 +20,16 @@ impl ThreadShares {
     /// `overlapping` (`max_staleness` above 0) the workers and the trainer ranks together,
     /// otherwise the workers while they generate, then the ranks while they train.
     pub fn of(cores: usize, workers: usize, trainers: usize, overlapping: bool) -> Self {
-        let share = |processes: usize| (cores / processes.max(1)).max(1);
         if overlapping {
-            let each = share(workers + trainers);
+            let each = share(cores, workers + trainers);
             Self {
                 worker: each,
                 trainer: each,
             }
         } else {
             Self {
-                worker: share(workers),
-                trainer: share(trainers),
+                worker: share(cores, workers),
+                trainer: share(cores, trainers),
             }
         }
     }
@@ -39,11 +37,10 @@ impl ThreadShares {
     /// The shares for `config`'s local roles, unless the policy or the environment sets
     /// torch's threads.
     pub fn for_local_roles(config: &Config) -> Option<Self> {
-        if config.policy.torch_threads().is_some() || std::env::var_os("OMP_NUM_THREADS").is_some()
-        {
+        if config.policy.torch_threads().is_some() || std::env::var_os(THREADS_VARIABLE).is_some() {
             return None;
         }
-        let cores = std::thread::available_parallelism().map_or(1, NonZeroUsize::get);
+        let cores = available_cores();
         let cluster = &config.cluster;
         let shares = Self::of(
             cores,
