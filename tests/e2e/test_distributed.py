@@ -112,6 +112,9 @@ def test_processes_and_threads_computing_at_once_share_the_cores_when_the_policy
     cores = len(os.sched_getaffinity(0))
     each = max(1, cores // 3)
     assert f"{each} for each generation worker, {each} for each trainer rank" in result.stderr
+    # Each role process was started with its share.
+    started = re.findall(r"`([\w-]+)` connected to the controller [^\n]*OMP_NUM_THREADS=(\d+)", result.stderr)
+    assert sorted(started) == [("trainer-0", str(each)), ("worker-0", str(each)), ("worker-1", str(each))]
 
 
 def test_two_workers_two_trainers_overlap_generation_within_the_staleness_bound(

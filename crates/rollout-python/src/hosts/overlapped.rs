@@ -223,35 +223,33 @@ impl ThreadSplit {
 }
 
 /// Gives each copy its share of torch's threads (thread counts are per interpreter thread),
-/// where the policy imported torch. Two copies each running one thread per core slow each
-/// other down: on 2 cores a step of the 1M-parameter benchmark model took 0.042-0.048 s
-/// that way against 0.033-0.036 s split.
+/// where the policy imported torch, and logs the counts torch then reports. Two copies each
+/// running one thread per core slow each other down: on 2 cores a step of the 1M-parameter
+/// benchmark model took 0.042-0.048 s that way against 0.033-0.036 s split.
 async fn share_torch_threads(
     learner: &PythonWorker,
     generator: &PythonWorker,
 ) -> Result<(), HostError> {
-    let Some(threads) = learner.run(|py| torch_threads(py, None)).await?? else {
+    let Some(threads) = learner.run(torch_thread_count).await?? else {
         return Ok(());
     };
     let split = ThreadSplit::of(threads);
-    learner
-        .run(move |py| torch_threads(py, Some(split.learner)))
+    let training = learner
+        .run(move |py| set_torch_threads(py, split.learner))
         .await??;
-    generator
-        .run(move |py| torch_threads(py, Some(split.generator)))
+    let generating = generator
+        .run(move |py| set_torch_threads(py, split.generator))
         .await??;
     tracing::info!(
-        "the two copies share torch's {threads} threads: {} training, {} generating (the \
-         policy's `torch_threads` sets each copy's count instead)",
-        split.learner,
-        split.generator
+        "the two copies share torch's {threads} threads: {training} training, {generating} \
+         generating (the policy's `torch_threads` sets each copy's count instead)"
     );
     Ok(())
 }
 
-/// torch's thread count on the calling interpreter thread, after setting it to `set`;
-/// `None` when torch was never imported.
-fn torch_threads(py: Python<'_>, set: Option<usize>) -> Result<Option<usize>, PythonError> {
+/// torch's thread count on the calling interpreter thread; `None` when torch was never
+/// imported.
+fn torch_thread_count(py: Python<'_>) -> Result<Option<usize>, PythonError> {
     let raised = |err: PyErr| PythonError::from_py(py, &err);
     let modules = py
         .import("sys")
@@ -261,16 +259,21 @@ fn torch_threads(py: Python<'_>, set: Option<usize>) -> Result<Option<usize>, Py
     let Some(torch) = modules.get_item("torch").map_err(raised)? else {
         return Ok(None);
     };
-    if let Some(threads) = set {
-        torch
-            .call_method1("set_num_threads", (threads,))
-            .map_err(raised)?;
-    }
     torch
         .call_method0("get_num_threads")
         .and_then(|threads| threads.extract())
         .map(Some)
         .map_err(raised)
+}
+
+/// Sets torch's thread count on the calling interpreter thread; the count torch then reports.
+fn set_torch_threads(py: Python<'_>, threads: usize) -> Result<usize, PythonError> {
+    py.import("torch")
+        .and_then(|torch| {
+            torch.call_method1("set_num_threads", (threads,))?;
+            torch.call_method0("get_num_threads")?.extract()
+        })
+        .map_err(|err| PythonError::from_py(py, &err))
 }
 
 /// The generator's calls, run one at a time in the order they were made (not the order

@@ -43,10 +43,10 @@ pub fn sandbox_launch(py: Python<'_>) -> Result<Launch, PythonError> {
 }
 
 /// `launch`, passing on the environment `[sandbox]` lets workers have, and with each
-/// worker's share of the cores when this process's environment leaves torch's threads open.
-fn inheriting(launch: Launch, config: &Config) -> Launch {
+/// worker's share of the cores unless this process's `OMP_NUM_THREADS` (`threads_set_here`)
+/// leaves them nothing to decide.
+fn inheriting(launch: Launch, config: &Config, threads_set_here: bool) -> Launch {
     let mut env = launch.env;
-    let threads_set_here = std::env::var_os(THREADS_VARIABLE).is_some();
     if let Some(threads) = worker_threads(config, available_cores(), threads_set_here) {
         env.push((THREADS_VARIABLE.into(), threads.to_string()));
     }
@@ -55,6 +55,11 @@ fn inheriting(launch: Launch, config: &Config) -> Launch {
         inherit: inherited_environment(&config.sandbox.pass_environment),
         ..launch
     }
+}
+
+/// Whether this process's environment sets torch's threads (which the workers inherit).
+fn threads_set_here() -> bool {
+    std::env::var_os(THREADS_VARIABLE).is_some()
 }
 
 /// Each sandbox worker's torch threads: `cores` shared by the workers of `config`'s pools,
@@ -70,7 +75,7 @@ fn worker_threads(config: &Config, cores: usize, threads_set_here: bool) -> Opti
 pub fn pool_spec(loaded: &LoadedConfig, launch: Launch, ledger: Arc<FailureLedger>) -> PoolSpec {
     let config = &loaded.config;
     PoolSpec {
-        launch: inheriting(launch, config),
+        launch: inheriting(launch, config, threads_set_here()),
         rewards: config
             .rewards
             .iter()
@@ -95,7 +100,7 @@ pub fn environment_pool_spec(
     let config = &loaded.config;
     let environment = config.environment.as_ref()?;
     Some(EnvironmentPoolSpec {
-        launch: inheriting(launch, config),
+        launch: inheriting(launch, config, threads_set_here()),
         environment: EnvironmentSpec {
             plugin: environment.plugin.clone(),
             options: table_to_json(&environment.options),
@@ -191,5 +196,29 @@ mod tests {
             "[environment]\nplugin = \"e:E\"\n[sandbox]\nprocesses = 2\nenvironments = false\n",
         );
         assert_eq!(worker_threads(&episodes_in_process, 16, false), Some(8));
+    }
+
+    #[test]
+    fn each_worker_is_started_with_its_share_unless_the_variable_is_inherited() {
+        let launch = || Launch {
+            program: "python".into(),
+            args: Vec::new(),
+            env: vec![("PYTHONPATH".into(), "p".into())],
+            inherit: Vec::new(),
+        };
+        let rewards = config("[sandbox]\nprocesses = 2\npass_environment = [\"HF_TOKEN\"]\n");
+        let started = inheriting(launch(), &rewards, false);
+        let share = share(available_cores(), 2).to_string();
+        assert_eq!(
+            started.env,
+            [
+                ("PYTHONPATH".to_owned(), "p".to_owned()),
+                (THREADS_VARIABLE.to_owned(), share)
+            ]
+        );
+        assert!(started.inherit.contains(&"HF_TOKEN".to_owned()));
+        assert!(started.inherit.contains(&THREADS_VARIABLE.to_owned()));
+        let inherited = inheriting(launch(), &rewards, true);
+        assert_eq!(inherited.env, [("PYTHONPATH".to_owned(), "p".to_owned())]);
     }
 }

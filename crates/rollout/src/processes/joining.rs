@@ -8,6 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use rollout_core::config::{LoadedConfig, load_text};
 use rollout_core::roles::RoleError;
+use rollout_core::threads::THREADS_VARIABLE;
 use rollout_net::link::{Link, LinkLimits};
 use rollout_net::messages::{Done, Hello, Message, MessageKind, Welcome};
 use rollout_net::rpc::{Incoming, Responder, RpcServer};
@@ -137,7 +138,7 @@ pub(super) async fn welcome(
         } else {
             "not encrypted"
         },
-        devices_seen()
+        placement_seen()
     );
     let mut server = link.server();
     let incoming = server
@@ -166,13 +167,20 @@ pub(super) async fn welcome(
     }
 }
 
-/// The devices this process was given (`CUDA_VISIBLE_DEVICES`, `LOCAL_RANK`), for its log.
-fn devices_seen() -> String {
-    let Ok(devices) = std::env::var("CUDA_VISIBLE_DEVICES") else {
-        return String::new();
-    };
-    let local_rank = std::env::var("LOCAL_RANK").unwrap_or_else(|_| "unset".into());
-    format!("; CUDA_VISIBLE_DEVICES={devices}, LOCAL_RANK={local_rank}")
+/// The devices (`CUDA_VISIBLE_DEVICES`, `LOCAL_RANK`) and torch threads (`OMP_NUM_THREADS`)
+/// this process was given, for its log.
+fn placement_seen() -> String {
+    let mut seen = String::new();
+    if let Ok(devices) = std::env::var("CUDA_VISIBLE_DEVICES") {
+        let local_rank = std::env::var("LOCAL_RANK").unwrap_or_else(|_| "unset".into());
+        seen.push_str(&format!(
+            "; CUDA_VISIBLE_DEVICES={devices}, LOCAL_RANK={local_rank}"
+        ));
+    }
+    if let Ok(threads) = std::env::var(THREADS_VARIABLE) {
+        seen.push_str(&format!("; {THREADS_VARIABLE}={threads}"));
+    }
+    seen
 }
 
 /// Connects, waits for the controller's `Welcome` and loads the policy from its config.
