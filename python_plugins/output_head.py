@@ -203,13 +203,16 @@ def sequence_logprobs(
         )
         predicted, source = predicted_tokens(attention_mask)
     else:
-        lengths = attention_mask.sum(dim=1)
-        packed_ids, packed_positions, destination = packing.layout(input_ids, lengths)
+        # A row's last token predicts nothing: the bins hold the tokens before it.
+        inputs = attention_mask.sum(dim=1) - 1
+        packed_ids, packed_positions, destination = packing.layout(input_ids, inputs)
         hidden = head.hidden(
             input_ids=packed_ids, position_ids=packed_positions, attention_mask=None, use_cache=False
         )
-        predicted = (attention_mask != 0) & (torch.arange(input_ids.shape[1], device=input_ids.device) >= 1)
+        columns = torch.arange(input_ids.shape[1], device=input_ids.device)
+        predicted = (attention_mask != 0) & (columns >= 1)
         where = torch.full_like(input_ids, -1)
-        where[attention_mask != 0] = destination
-        source = where[predicted] - 1
+        where[columns[None, :] < inputs[:, None]] = destination
+        # Token (row, c) follows the packed position of (row, c - 1).
+        source = where[:, :-1][predicted[:, 1:]]
     return predicted_logprobs(head, hidden, source, input_ids[predicted], predicted, temperature)

@@ -90,9 +90,10 @@ def plan_packing(
 
 
 def plan_right_padded(attention_mask: np.ndarray, min_saving: float = MIN_SAVING) -> Packing | None:
-    """:func:`plan_packing` for a ``[rows, width]`` mask; ``None`` unless every row is right-padded."""
+    """:func:`plan_packing` of the inputs of a ``[rows, width]`` mask's rows: each row's tokens
+    but its last, which predicts nothing. ``None`` unless every row is right-padded."""
     width = attention_mask.shape[1]
     lengths = (attention_mask != 0).sum(axis=1)
     if not ((attention_mask != 0) == (np.arange(width)[None, :] < lengths[:, None])).all():
         return None
-    return plan_packing([int(n) for n in lengths], width, min_saving)
+    return plan_packing([int(n) - 1 for n in lengths], width, min_saving)

@@ -6,7 +6,8 @@ through memory. When completions are short that streaming, not arithmetic, is th
 step's cost, so here each prompt and its completions share one row and a 4D mask shows each
 completion token its prompt and its own completion only (the prompt attends causally to
 itself). Every completion's positions continue from its prompt's end, so every token computes
-what it would in its own padded row.
+what it would in its own padded row. A completion's last token is left out: it predicts
+nothing, and no other token sees it.
 """
 
 from __future__ import annotations
@@ -59,7 +60,9 @@ def plan_prefix_rows(
     more than :data:`MAX_EXTRA_POSITIONS` times the two passes' positions."""
     prefix_lengths = prefix_mask.sum(axis=1)
     suffix_lengths = suffix_mask.sum(axis=1)
-    row_widths = prefix_lengths + np.bincount(row_prefix, weights=suffix_lengths, minlength=len(prefix_ids))
+    # Every suffix has a token (the planner's rows each train one); all but its last are inputs.
+    inputs = suffix_lengths - 1
+    row_widths = prefix_lengths + np.bincount(row_prefix, weights=inputs, minlength=len(prefix_ids))
     width = int(row_widths.max())
     if width > MAX_WIDTH or len(prefix_ids) * width > MAX_EXTRA_POSITIONS * two_pass_positions:
         return None
@@ -72,14 +75,14 @@ def plan_prefix_rows(
         segments[prefix, :length] = PROMPT
     filled = prefix_lengths.copy()
     sources = []
-    for row, (prefix, length) in enumerate(zip(row_prefix, suffix_lengths, strict=True)):
+    for row, (prefix, fed) in enumerate(zip(row_prefix, inputs, strict=True)):
         start = filled[prefix]
-        ids[prefix, start : start + length] = suffix_ids[row, :length]
-        positions[prefix, start : start + length] = prefix_lengths[prefix] + np.arange(length)
-        segments[prefix, start : start + length] = row
-        before = np.concatenate([[prefix_lengths[prefix] - 1], start + np.arange(length - 1)])
+        ids[prefix, start : start + fed] = suffix_ids[row, :fed]
+        positions[prefix, start : start + fed] = prefix_lengths[prefix] + np.arange(fed)
+        segments[prefix, start : start + fed] = row
+        before = np.concatenate([[prefix_lengths[prefix] - 1], start + np.arange(fed)])
         sources.append(prefix * width + before)
-        filled[prefix] += length
+        filled[prefix] += fed
     return PrefixRows(ids, positions, segments, np.concatenate(sources))
 
 

@@ -139,13 +139,16 @@ def test_first_fit_decreasing_into_bins_of_the_longest_row():
 
 
 def test_the_layout_restarts_positions_per_sequence():
-    ids, mask = right_padded([[11, 12, 13, 14], [21, 22], [31]])
+    ids, mask = right_padded([[11, 12, 13, 14, 15], [21, 22, 23], [31, 32]])
     packing = plan_right_padded(mask, min_saving=0.0)
-    assert packing is not None and packing.bins == 2
-    packed, positions, destination = packing.layout(torch.as_tensor(ids), torch.as_tensor(mask.sum(1)))
+    # Each row's last token predicts nothing, so the bins hold 4, 2 and 1 tokens.
+    assert packing is not None and (packing.bins, packing.capacity) == (2, 4)
+    inputs = torch.as_tensor(mask.sum(1) - 1)
+    packed, positions, destination = packing.layout(torch.as_tensor(ids), inputs)
     assert packed.tolist() == [[11, 12, 13, 14], [21, 22, 31, 0]]
     assert positions.tolist() == [[0, 1, 2, 3], [0, 1, 0, 0]]
     assert destination.tolist() == [0, 1, 2, 3, 4, 5, 6]
+    assert plan_right_padded(right_padded([[11, 12], [21]])[1], min_saving=0.0) is None, "a row with no input"
     left = np.flip(mask, axis=1).copy()
     assert plan_right_padded(left, min_saving=0.0) is None, "left-padded rows are not packed"
 

@@ -89,26 +89,27 @@ def test_one_pass_puts_each_prompt_and_its_completions_in_a_row() -> None:
     ids, attention, loss = group_batch(prompts, completions)
     plan = plan_shared_prefixes(ids, attention, loss, pack_suffixes=True)
     assert plan is not None and plan.one_pass is not None and plan.bins is None
-    assert plan.positions == 2 * 8
+    assert plan.positions == 2 * 6
     rows = plan.one_pass
-    assert rows.ids.tolist() == [[1, 5, 6, 11, 12, 13, 14, 0], [1, 7, 8, 9, 10, 15, 16, 17]]
+    # A completion's last token predicts nothing, so no row holds it: [11] and [17] add no input.
+    assert rows.ids.tolist() == [[1, 5, 6, 12, 13, 0], [1, 7, 8, 9, 10, 15]]
     # Every completion's positions continue its prompt.
-    assert rows.positions.tolist() == [[0, 1, 2, 3, 3, 4, 5, 0], [0, 1, 2, 3, 4, 5, 6, 5]]
-    assert rows.segments.tolist() == [[-1, -1, -1, 0, 1, 1, 1, -2], [-1] * 5 + [2, 2, 3]]
-    # 11 and 12 follow the first prompt's last token; 17 the second's, not 16.
-    assert rows.source.tolist() == [2, 2, 4, 5, 12, 13, 12]
+    assert rows.positions.tolist() == [[0, 1, 2, 3, 4, 0], [0, 1, 2, 3, 4, 5]]
+    assert rows.segments.tolist() == [[-1, -1, -1, 1, 1, -2], [-1] * 5 + [2]]
+    # 11 and 12 follow the first prompt's last token; 15 and 17 the second's, 16 follows 15.
+    assert rows.source.tolist() == [2, 2, 3, 4, 10, 11, 10]
     mask = prefix_rows_mask(torch.as_tensor(rows.segments))[:, 0]
-    assert mask[1, 7].tolist() == [True] * 5 + [False, False, True]
-    assert mask[1, 6].tolist() == [True] * 7 + [False]
-    assert mask[0, 2].tolist() == [True] * 3 + [False] * 5
-    assert mask[0, 7].tolist() == [False] * 7 + [True]
+    assert mask[0, 4].tolist() == [True] * 5 + [False]
+    assert mask[1, 5].tolist() == [True] * 6
+    assert mask[0, 2].tolist() == [True] * 3 + [False] * 3
+    assert mask[0, 5].tolist() == [False] * 5 + [True]
 
 
 def test_one_pass_is_left_for_rows_too_wide(monkeypatch: pytest.MonkeyPatch) -> None:
     ids, attention, loss = group_batch(
         [[1, 5, 6], [1, 7, 8, 9, 10]], [[[11], [12, 13, 14]], [[15, 16], [17]]]
     )
-    monkeypatch.setattr(prefix_rows, "MAX_WIDTH", 7)
+    monkeypatch.setattr(prefix_rows, "MAX_WIDTH", 5)
     plan = plan_shared_prefixes(ids, attention, loss, pack_suffixes=True)
     assert plan is not None and plan.one_pass is None and plan.bins is not None
 
