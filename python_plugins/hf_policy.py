@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import inspect
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -20,6 +20,7 @@ from transformers.utils import logging as transformers_logging
 from python_plugins.batch_generation import generate_batched
 from python_plugins.checkpoint_io import load_optimizer, model_files, optimizer_files, tokenizer_files
 from python_plugins.decode_matmuls import EngineMatmuls
+from python_plugins.distinct_rows import distinct_rows
 from python_plugins.engine_runner import EngineRunner
 from python_plugins.hub_cache import resolve_model_path
 from python_plugins.model_setup import (
@@ -93,6 +94,9 @@ class HFCausalLM(Policy):
         # Training passes run each distinct prompt once and only the completions per sample
         # (same result; turn off for models whose forward cannot take a KV cache).
         share_prompt_prefix: bool = True
+        # Training passes run rows that are the same token for token once (same result; see
+        # python_plugins/distinct_rows.py).
+        share_identical_rows: bool = True
         # The sampling engine attends the decodes of one prompt's samples over their common
         # prefix once (python_plugins/cascade_attention.py; same result up to float rounding).
         shared_prefix_attention: bool = True
@@ -304,32 +308,7 @@ class HFCausalLM(Policy):
         objective = batch.objective
         temperature = getattr(objective, "temperature", 1.0)
         self._set_training(True)
-        # Gradient checkpointing turns the KV cache off inside the model, so nothing to share;
-        # the value head needs every position's hidden state. Sharded ranks gather weights in
-        # every forward pass, with each other: they must all run one per micro-batch, not as
-        # many as their prompts' sharing plan asks.
-        share = (
-            self.config.share_prompt_prefix
-            and not self.config.gradient_checkpointing
-            and not needs_values(objective)
-            and self.sharding is None
-        )
-        plan = (
-            plan_shared_prefixes(
-                batch.input_ids, batch.attention_mask, batch.loss_mask, packs_suffixes(self.model.config)
-            )
-            if share
-            else None
-        )
-        # Otherwise the rows may run packed, without their padding (python_plugins/packing.py).
-        packing = plan_right_padded(batch.attention_mask) if plan is None and self.sharding is None else None
-
-        def pass_logprobs(model: PreTrainedModel) -> torch.Tensor:
-            if plan is not None:
-                return shared_prefix_logprobs(model, plan, temperature, self.device, self._output_head(model))
-            input_ids, attention_mask = self._as_tensors(batch.input_ids, batch.attention_mask)
-            return self._token_logprobs(model, input_ids, attention_mask, temperature, packing)
-
+        pass_logprobs = self._logprob_pass(batch, temperature)
         values = None
         if needs_values(objective):
             input_ids, attention_mask = self._as_tensors(batch.input_ids, batch.attention_mask)
@@ -348,6 +327,49 @@ class HFCausalLM(Policy):
         output = objective_loss(logprobs, batch, ref_logprobs=ref_logprobs, values=values)
         output.loss.backward()
         return {**output.metrics, "reference_seconds": reference_seconds}
+
+    def _logprob_pass(
+        self, batch: TrainBatch, temperature: float
+    ) -> Callable[[PreTrainedModel], torch.Tensor]:
+        """How a model computes the micro-batch's ``[rows, width]`` logprobs: each distinct row
+        once (python_plugins/distinct_rows.py), each shared prompt once
+        (python_plugins/shared_prefix.py), else packed without padding (python_plugins/packing.py)."""
+        objective = batch.objective
+        # The value head reads every row's hidden states, so PPO runs every row. Gradient
+        # checkpointing turns the KV cache off inside the model, so nothing to share. Sharded
+        # ranks gather weights in every forward pass, with each other: they must all run one
+        # per micro-batch, not as many as their prompts' sharing plan asks.
+        share = (
+            self.config.share_prompt_prefix
+            and not self.config.gradient_checkpointing
+            and not needs_values(objective)
+            and self.sharding is None
+        )
+        distinct = (
+            distinct_rows(batch.input_ids, batch.attention_mask, batch.loss_mask)
+            if self.config.share_identical_rows and not needs_values(objective)
+            else None
+        )
+        rows = [batch.input_ids, batch.attention_mask, batch.loss_mask]
+        input_ids, attention_mask, loss_mask = rows if distinct is None else map(distinct.take, rows)
+        plan = (
+            plan_shared_prefixes(input_ids, attention_mask, loss_mask, packs_suffixes(self.model.config))
+            if share
+            else None
+        )
+        packing = plan_right_padded(attention_mask) if plan is None and self.sharding is None else None
+
+        def pass_logprobs(model: PreTrainedModel) -> torch.Tensor:
+            if plan is not None:
+                logprobs = shared_prefix_logprobs(
+                    model, plan, temperature, self.device, self._output_head(model)
+                )
+            else:
+                tensors = self._as_tensors(input_ids, attention_mask)
+                logprobs = self._token_logprobs(model, *tensors, temperature, packing)
+            return logprobs if distinct is None else distinct.spread(logprobs)
+
+        return pass_logprobs
 
     @torch.no_grad()
     def values(self, batch: TrainBatch) -> np.ndarray:
