@@ -12,6 +12,11 @@ pub fn available_cores() -> usize {
     std::thread::available_parallelism().map_or(1, NonZeroUsize::get)
 }
 
+/// Whether this process's environment sets torch's threads (which its children inherit).
+pub fn set_in_environment() -> bool {
+    std::env::var_os(THREADS_VARIABLE).is_some()
+}
+
 /// `cores` shared by `processes` computing at once: at least one thread each.
 pub fn share(cores: usize, processes: usize) -> usize {
     (cores / processes.max(1)).max(1)

@@ -11,7 +11,7 @@ use rollout_core::sandbox::protocol::{EnvironmentSpec, RewardSpec, table_to_json
 use rollout_core::sandbox::{
     EnvironmentPoolSpec, FailureLedger, Launch, PoolSpec, SandboxError, inherited_environment,
 };
-use rollout_core::threads::{THREADS_VARIABLE, available_cores, share};
+use rollout_core::threads::{THREADS_VARIABLE, available_cores, set_in_environment, share};
 
 use super::{PluginError, PluginFailure, PluginLoadError};
 use crate::interpreter::PythonError;
@@ -57,11 +57,6 @@ fn inheriting(launch: Launch, config: &Config, threads_set_here: bool) -> Launch
     }
 }
 
-/// Whether this process's environment sets torch's threads (which the workers inherit).
-fn threads_set_here() -> bool {
-    std::env::var_os(THREADS_VARIABLE).is_some()
-}
-
 /// Each sandbox worker's torch threads: `cores` shared by the workers of `config`'s pools,
 /// which score (and play episodes) at the same time; `None` when this process's
 /// `OMP_NUM_THREADS` (`threads_set_here`), which the workers inherit, decides.
@@ -75,7 +70,7 @@ fn worker_threads(config: &Config, cores: usize, threads_set_here: bool) -> Opti
 pub fn pool_spec(loaded: &LoadedConfig, launch: Launch, ledger: Arc<FailureLedger>) -> PoolSpec {
     let config = &loaded.config;
     PoolSpec {
-        launch: inheriting(launch, config, threads_set_here()),
+        launch: inheriting(launch, config, set_in_environment()),
         rewards: config
             .rewards
             .iter()
@@ -100,7 +95,7 @@ pub fn environment_pool_spec(
     let config = &loaded.config;
     let environment = config.environment.as_ref()?;
     Some(EnvironmentPoolSpec {
-        launch: inheriting(launch, config, threads_set_here()),
+        launch: inheriting(launch, config, set_in_environment()),
         environment: EnvironmentSpec {
             plugin: environment.plugin.clone(),
             options: table_to_json(&environment.options),

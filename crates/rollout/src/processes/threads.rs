@@ -6,7 +6,7 @@
 //! 0.15-0.17 s with one thread each.
 
 use rollout_core::config::Config;
-use rollout_core::threads::{THREADS_VARIABLE, available_cores, share};
+use rollout_core::threads::{available_cores, set_in_environment, share};
 
 /// `OMP_NUM_THREADS` of each generation worker and each trainer rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,7 +37,7 @@ impl ThreadShares {
     /// The shares for `config`'s local roles, unless the policy or the environment sets
     /// torch's threads.
     pub fn for_local_roles(config: &Config) -> Option<Self> {
-        if config.policy.torch_threads().is_some() || std::env::var_os(THREADS_VARIABLE).is_some() {
+        if config.policy.torch_threads().is_some() || set_in_environment() {
             return None;
         }
         let cores = available_cores();
