@@ -15,7 +15,7 @@ import dataclasses
 import numpy as np
 import torch
 
-__all__ = ["DistinctRows", "distinct_rows"]
+__all__ = ["DistinctRows", "distinct_rows", "take_distinct"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -53,3 +53,8 @@ def distinct_rows(
     if len(first) == len(input_ids):
         return None
     return DistinctRows(first=np.asarray(first, dtype=np.int64), copy_of=copy_of)
+
+
+def take_distinct(found: DistinctRows | None, *arrays: np.ndarray) -> list[np.ndarray]:
+    """The distinct rows of each ``[rows, ...]`` array, or the arrays whole without ``found``."""
+    return list(arrays) if found is None else [found.take(values) for values in arrays]

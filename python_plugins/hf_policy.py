@@ -20,7 +20,7 @@ from transformers.utils import logging as transformers_logging
 from python_plugins.batch_generation import generate_batched
 from python_plugins.checkpoint_io import load_optimizer, model_files, optimizer_files, tokenizer_files
 from python_plugins.decode_matmuls import EngineMatmuls
-from python_plugins.distinct_rows import distinct_rows
+from python_plugins.distinct_rows import DistinctRows, distinct_rows, take_distinct
 from python_plugins.engine_runner import EngineRunner
 from python_plugins.hub_cache import resolve_model_path
 from python_plugins.model_setup import (
@@ -308,13 +308,18 @@ class HFCausalLM(Policy):
         objective = batch.objective
         temperature = getattr(objective, "temperature", 1.0)
         self._set_training(True)
-        pass_logprobs = self._logprob_pass(batch, temperature)
+        distinct = self._distinct_rows(batch)
+        pass_logprobs = self._logprob_pass(batch, temperature, distinct)
         values = None
         if needs_values(objective):
-            input_ids, attention_mask = self._as_tensors(batch.input_ids, batch.attention_mask)
+            input_ids, attention_mask = self._as_tensors(
+                *take_distinct(distinct, batch.input_ids, batch.attention_mask)
+            )
             head = self._output_head(self.model)
             logprobs, hidden = logprobs_and_hidden(self.model, input_ids, attention_mask, temperature, head)
             values = self._value_head()(hidden)
+            if distinct is not None:
+                logprobs, values = distinct.spread(logprobs), distinct.spread(values)
         else:
             logprobs = pass_logprobs(self.model)
         ref_logprobs = None
@@ -328,14 +333,20 @@ class HFCausalLM(Policy):
         output.loss.backward()
         return {**output.metrics, "reference_seconds": reference_seconds}
 
+    def _distinct_rows(self, batch: TrainBatch) -> DistinctRows | None:
+        """The micro-batch's distinct rows, where some rows are copies and sharing is on."""
+        if not self.config.share_identical_rows:
+            return None
+        return distinct_rows(batch.input_ids, batch.attention_mask, batch.loss_mask)
+
     def _logprob_pass(
-        self, batch: TrainBatch, temperature: float
+        self, batch: TrainBatch, temperature: float, distinct: DistinctRows | None
     ) -> Callable[[PreTrainedModel], torch.Tensor]:
-        """How a model computes the micro-batch's ``[rows, width]`` logprobs: each distinct row
-        once (python_plugins/distinct_rows.py), each shared prompt once
+        """How a model computes the micro-batch's ``[rows, width]`` logprobs: each of the
+        ``distinct`` rows once (python_plugins/distinct_rows.py), each shared prompt once
         (python_plugins/shared_prefix.py), else packed without padding (python_plugins/packing.py)."""
         objective = batch.objective
-        # The value head reads every row's hidden states, so PPO runs every row. Gradient
+        # The value head reads every position's hidden state, so PPO runs whole rows. Gradient
         # checkpointing turns the KV cache off inside the model, so nothing to share. Sharded
         # ranks gather weights in every forward pass, with each other: they must all run one
         # per micro-batch, not as many as their prompts' sharing plan asks.
@@ -345,13 +356,9 @@ class HFCausalLM(Policy):
             and not needs_values(objective)
             and self.sharding is None
         )
-        distinct = (
-            distinct_rows(batch.input_ids, batch.attention_mask, batch.loss_mask)
-            if self.config.share_identical_rows and not needs_values(objective)
-            else None
+        input_ids, attention_mask, loss_mask = take_distinct(
+            distinct, batch.input_ids, batch.attention_mask, batch.loss_mask
         )
-        rows = [batch.input_ids, batch.attention_mask, batch.loss_mask]
-        input_ids, attention_mask, loss_mask = rows if distinct is None else map(distinct.take, rows)
         plan = (
             plan_shared_prefixes(input_ids, attention_mask, loss_mask, packs_suffixes(self.model.config))
             if share
@@ -374,7 +381,10 @@ class HFCausalLM(Policy):
     @torch.no_grad()
     def values(self, batch: TrainBatch) -> np.ndarray:
         self._set_training(False)
-        input_ids, attention_mask = self._as_tensors(batch.input_ids, batch.attention_mask)
+        distinct = self._distinct_rows(batch)
+        input_ids, attention_mask = self._as_tensors(
+            *take_distinct(distinct, batch.input_ids, batch.attention_mask)
+        )
         head = self._output_head(self.model)
         if head is not None:
             positions = (attention_mask.cumsum(-1) - 1).clamp_min(0)
@@ -384,6 +394,8 @@ class HFCausalLM(Policy):
         else:
             _, hidden = logprobs_and_hidden(self.model, input_ids, attention_mask, 1.0)
         values = self._value_head()(hidden) * attention_mask
+        if distinct is not None:
+            values = distinct.spread(values)
         return values.cpu().numpy().astype(np.float32)
 
     def _value_head(self) -> ValueHead:

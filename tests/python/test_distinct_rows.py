@@ -8,7 +8,7 @@ import torch
 from policy_helpers import make_policy, right_padded
 
 from python_plugins.distinct_rows import distinct_rows
-from rollout_sdk import GrpoObjective, SftObjective, TrainBatch
+from rollout_sdk import GrpoObjective, PpoObjective, SftObjective, TrainBatch
 
 
 def batch_of(rows: list[tuple[list[int], list[int]]], objective) -> TrainBatch:
@@ -18,6 +18,7 @@ def batch_of(rows: list[tuple[list[int], list[int]]], objective) -> TrainBatch:
     for row, (p, c) in enumerate(rows):
         loss[row, len(p) : len(p) + len(c)] = 1
     advantages = np.linspace(-1.0, 1.5, len(rows), dtype=np.float32)[:, None] * loss
+    ppo = isinstance(objective, PpoObjective)
     return TrainBatch(
         input_ids=ids,
         attention_mask=attention,
@@ -26,7 +27,19 @@ def batch_of(rows: list[tuple[list[int], list[int]]], objective) -> TrainBatch:
         old_logprobs=np.full(ids.shape, -3.0, dtype=np.float32) * loss,
         loss_scale=float(1.0 / loss.sum()),
         objective=objective,
+        returns=(np.linspace(2.0, -0.5, len(rows), dtype=np.float32)[:, None] * loss) if ppo else None,
+        old_values=np.full(ids.shape, 0.1, dtype=np.float32) * loss if ppo else None,
     )
+
+
+def perturbed_value_head(policy) -> torch.nn.Module:
+    """The policy's value head with a seeded output layer, so its values differ from row to row
+    (a new head predicts exactly 0)."""
+    module = policy._value_head().module
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        module[-1].weight.copy_(torch.randn(module[-1].weight.shape, generator=generator))
+    return module
 
 
 def test_copies_are_found_in_batch_order() -> None:
@@ -67,7 +80,9 @@ ROWS = [
 
 @pytest.mark.parametrize("share", [True, False], ids=["shared_prompts", "plain"])
 @pytest.mark.parametrize(
-    "objective", [GrpoObjective(kl_coef=0.1, temperature=0.7), SftObjective()], ids=["grpo_kl", "sft"]
+    "objective",
+    [GrpoObjective(kl_coef=0.1, temperature=0.7), SftObjective(), PpoObjective(kl_coef=0.1)],
+    ids=["grpo_kl", "sft", "ppo_kl"],
 )
 def test_train_step_with_copies_run_once_equals_every_row_run(tiny_model_dir, share: bool, objective) -> None:
     batch = batch_of(ROWS, objective)
@@ -84,18 +99,32 @@ def test_train_step_with_copies_run_once_equals_every_row_run(tiny_model_dir, sh
             positions_run.append(int(kwargs["input_ids"].numel()))
 
         hook = head.decoder.register_forward_pre_hook(count, with_kwargs=True)
+        value_head = perturbed_value_head(policy) if isinstance(objective, PpoObjective) else None
         metrics = policy.train_step(batch)
         hook.remove()
-        return metrics, [p.grad.clone() for p in policy.model.parameters() if p.grad is not None]
+        trained = [*policy.model.parameters(), *(value_head.parameters() if value_head else [])]
+        return metrics, [p.grad.clone() for p in trained if p.grad is not None]
 
     once, once_grads = step(dedupe=True)
     distinct_positions = sum(positions_run)
     positions_run.clear()
     every, every_grads = step(dedupe=False)
     assert 0 < distinct_positions < sum(positions_run)
-    for key in ("loss", "ratio_mean", "clip_fraction", "kl"):
+    for key in ("loss", "ratio_mean", "clip_fraction", "kl", "value_loss", "value_mean"):
         if key in every:
             assert once[key] == pytest.approx(every[key], rel=1e-5, abs=1e-7)
     assert len(once_grads) == len(every_grads)
     for a, b in zip(once_grads, every_grads, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_values_with_copies_run_once_equal_every_row_run(tiny_model_dir) -> None:
+    batch = batch_of(ROWS, PpoObjective())
+    values = {}
+    for dedupe in (True, False):
+        policy = make_policy(tiny_model_dir, share_identical_rows=dedupe)
+        perturbed_value_head(policy)
+        values[dedupe] = policy.values(batch)
+    assert values[False].shape == batch.input_ids.shape
+    assert len({row.tobytes() for row in values[False]}) == 5  # one set of values per distinct row
+    np.testing.assert_allclose(values[True], values[False], rtol=1e-5, atol=1e-6)
