@@ -48,6 +48,9 @@ WORKER_COUNTS = (1, 2, 4)
 BUCKET_BYTES = 8 << 20
 # The raw relay chain that moves the model's own bytes and keeps them, as a sync must.
 KEPT_CHAIN = "raw_relay_chain_kept_bytes_per_second"
+# That chain with each relay forwarding whole buckets (BUCKET_BYTES), as a weight store does,
+# instead of each read as it arrives.
+BUCKETED_CHAIN = "raw_relay_chain_bucketed_bytes_per_second"
 # A sync the next step waits for whole: `weight_sync_seconds` is the whole sync.
 WHOLE_SYNC = {"trainers": 1, "max_staleness": 0}
 # The cluster users run: configs/distributed.toml's (2 workers, 2 trainer ranks, staleness 1).
@@ -233,12 +236,13 @@ def raw_chain_seconds(measurement: dict[str, Any], rate: str = "raw_relay_chain_
 
 
 def with_fractions(measurement: dict[str, Any]) -> dict[str, Any]:
-    """The measurement with its end-to-end sync's fractions of the raw chain and of the chain
-    that keeps the model's bytes."""
+    """The measurement with its end-to-end sync's fractions of the raw chain, of the chain
+    that keeps the model's bytes, and of that chain relaying whole buckets."""
     return {
         **measurement,
         "fraction_of_raw_chain": fraction_of_raw_chain(measurement),
         "fraction_of_raw_chain_kept": fraction_of_raw_chain(measurement, rate=KEPT_CHAIN),
+        "fraction_of_raw_chain_bucketed": fraction_of_raw_chain(measurement, rate=BUCKETED_CHAIN),
     }
 
 
@@ -292,6 +296,10 @@ def sync_results(measured: Sequence[dict[str, Any]]) -> dict[str, Any]:
         # diagnostic beside the target's chain, whose reused 1 MiB buffers stay in cache.
         "weight_sync_end_to_end_fraction_of_raw_chain_kept": per_worker_count(
             measured, "fraction_of_raw_chain_kept"
+        ),
+        # And against those sockets relaying whole buckets as the weight stores do.
+        "weight_sync_end_to_end_fraction_of_raw_chain_bucketed": per_worker_count(
+            measured, "fraction_of_raw_chain_bucketed"
         ),
         "trainer_egress_per_model_bytes": transport_median(measured, "trainer_egress_per_model_bytes")["4"],
         "weight_sync_seconds": {

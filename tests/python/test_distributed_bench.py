@@ -19,6 +19,7 @@ def transport(chain_gbps: float, kept_gbps: float, seconds: float) -> dict[str, 
         "model_bytes": MODEL_BYTES,
         "raw_relay_chain_bytes_per_second": chain_gbps * 1e9,
         "raw_relay_chain_kept_bytes_per_second": kept_gbps * 1e9,
+        "raw_relay_chain_bucketed_bytes_per_second": kept_gbps / 2 * 1e9,
         "seconds_median": seconds,
         "fraction_of_loopback": 0.5,
         "fraction_of_raw_relay_chain": 0.8,
@@ -39,7 +40,9 @@ def test_a_sync_is_divided_by_the_raw_chain_measured_around_it() -> None:
     m = measurement(1, before=2.0, after=100 / 30, sync_seconds=0.08)
     assert distributed.fraction_of_raw_chain(m) == pytest.approx(0.5)
     assert distributed.fraction_of_raw_chain(m, rate=distributed.KEPT_CHAIN) == pytest.approx(1.0)
-    assert distributed.with_fractions(m)["fraction_of_raw_chain_kept"] == pytest.approx(1.0)
+    fractions = distributed.with_fractions(m)
+    assert fractions["fraction_of_raw_chain_kept"] == pytest.approx(1.0)
+    assert fractions["fraction_of_raw_chain_bucketed"] == pytest.approx(2.0)
 
 
 def test_headline_figures_are_medians_over_each_worker_counts_rounds() -> None:

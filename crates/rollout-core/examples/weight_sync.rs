@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
+use bytes::{BufMut, Bytes, BytesMut};
 use rollout_core::cluster::weights::{VersionBuffer, WeightStore};
 use rollout_net::ClusterKey;
 use rollout_net::TensorBytes;
@@ -19,6 +19,7 @@ use rollout_net::messages::{Hello, WeightsReport};
 use rollout_net::tensor::Dtype;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinHandle;
 
 fn hello(name: &str) -> Hello {
     Hello {
@@ -76,6 +77,9 @@ async fn raw_loopback(total: usize) -> f64 {
     total as f64 / started.elapsed().as_secs_f64()
 }
 
+/// The most a raw relay reads at once.
+const RELAY_READ_BYTES: usize = 1 << 20;
+
 /// Bytes per second delivered to the last of `hops` raw loopback TCP relays (source -> r1 ->
 /// ... -> r_hops, each forwarding 1 MiB reads as they arrive): the same topology as the
 /// weight chain without framing, checksums or buffering. The source writes `total` bytes
@@ -87,7 +91,7 @@ async fn raw_chain(total: usize, hops: usize) -> f64 {
         .step_by(chunk.len())
         .map(|sent| chunk.slice(..chunk.len().min(total - sent)))
         .collect::<Vec<_>>();
-    let scratch = (0..hops).map(|_| vec![0u8; 1 << 20]).collect();
+    let scratch = (0..hops).map(|_| vec![0u8; RELAY_READ_BYTES]).collect();
     relay_chain(&source, scratch).await.0
 }
 
@@ -106,24 +110,16 @@ async fn raw_chain_kept(weights: &[TensorBytes], kept: Vec<Vec<u8>>) -> (f64, Ve
 /// bytes (then it keeps every one in place), and forwards each read as it arrives.
 async fn relay_chain(source: &[Bytes], landing: Vec<Vec<u8>>) -> (f64, Vec<Vec<u8>>) {
     let total: usize = source.iter().map(Bytes::len).sum();
-    let mut listeners = Vec::new();
-    for _ in 0..landing.len() {
-        listeners.push(TcpListener::bind("127.0.0.1:0").await.unwrap());
-    }
-    let addrs: Vec<_> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
+    let (listeners, addrs) = listen_all(landing.len()).await;
     let mut relays = Vec::new();
     for (index, (listener, mut buffer)) in listeners.into_iter().zip(landing).enumerate() {
         let next = addrs.get(index + 1).copied();
         relays.push(tokio::spawn(async move {
-            let (mut upstream, _) = listener.accept().await.unwrap();
-            let mut downstream = match next {
-                Some(addr) => Some(TcpStream::connect(addr).await.unwrap()),
-                None => None,
-            };
+            let (mut upstream, mut downstream) = relay_ends(listener, next).await;
             let mut seen = 0;
             while seen < total {
                 let at = if buffer.len() >= total { seen } else { 0 };
-                let end = buffer.len().min(at + (1 << 20));
+                let end = buffer.len().min(at + RELAY_READ_BYTES);
                 let n = upstream.read(&mut buffer[at..end]).await.unwrap();
                 assert!(n > 0);
                 if let Some(downstream) = downstream.as_mut() {
@@ -134,16 +130,106 @@ async fn relay_chain(source: &[Bytes], landing: Vec<Vec<u8>>) -> (f64, Vec<Vec<u
             buffer
         }));
     }
+    send_along(addrs[0], source, relays).await
+}
+
+/// [`raw_chain_kept`] with each relay forwarding whole buckets of `bucket_bytes`, as a weight
+/// store does, instead of each read as it arrives: a relay hands each bucket it has filled
+/// to a task of its own that writes it on while the next one is read. `kept` holds one
+/// model-sized buffer per relay, returned for the next run.
+async fn raw_chain_bucketed(
+    weights: &[TensorBytes],
+    kept: Vec<BytesMut>,
+    bucket_bytes: usize,
+) -> (f64, Vec<BytesMut>) {
+    let source = weights.iter().map(|t| t.data.clone()).collect::<Vec<_>>();
+    let total: usize = source.iter().map(Bytes::len).sum();
+    let (listeners, addrs) = listen_all(kept.len()).await;
+    let mut relays = Vec::new();
+    for (index, (listener, mut rest)) in listeners.into_iter().zip(kept).enumerate() {
+        let next = addrs.get(index + 1).copied();
+        relays.push(tokio::spawn(async move {
+            let (mut upstream, downstream) = relay_ends(listener, next).await;
+            let (buckets, filled) = tokio::sync::mpsc::unbounded_channel::<BytesMut>();
+            let writer = tokio::spawn(forward_buckets(downstream, filled));
+            rest.clear();
+            let mut seen = 0;
+            while seen < total {
+                let wanted = RELAY_READ_BYTES.min(total - seen);
+                let n = upstream
+                    .read_buf(&mut (&mut rest).limit(wanted))
+                    .await
+                    .unwrap();
+                assert!(n > 0);
+                seen += n;
+                if rest.len() >= bucket_bytes || seen == total {
+                    let bucket = rest.split_to(rest.len());
+                    buckets.send(bucket).unwrap();
+                }
+            }
+            drop(buckets);
+            writer.await.unwrap()
+        }));
+    }
+    send_along(addrs[0], &source, relays).await
+}
+
+/// Writes each bucket from `filled` to `downstream` (if any, else keeps it) and returns them
+/// joined again into the one buffer they were split from.
+async fn forward_buckets(
+    mut downstream: Option<TcpStream>,
+    mut filled: tokio::sync::mpsc::UnboundedReceiver<BytesMut>,
+) -> BytesMut {
+    let mut whole = BytesMut::new();
+    while let Some(bucket) = filled.recv().await {
+        if let Some(downstream) = downstream.as_mut() {
+            downstream.write_all(&bucket).await.unwrap();
+        }
+        whole.unsplit(bucket);
+    }
+    whole
+}
+
+async fn listen_all(count: usize) -> (Vec<TcpListener>, Vec<std::net::SocketAddr>) {
+    let mut listeners = Vec::new();
+    for _ in 0..count {
+        listeners.push(TcpListener::bind("127.0.0.1:0").await.unwrap());
+    }
+    let addrs = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
+    (listeners, addrs)
+}
+
+/// A relay's connection from upstream and, unless it is the last, to the next relay.
+async fn relay_ends(
+    listener: TcpListener,
+    next: Option<std::net::SocketAddr>,
+) -> (TcpStream, Option<TcpStream>) {
+    let (upstream, _) = listener.accept().await.unwrap();
+    let downstream = match next {
+        Some(addr) => Some(TcpStream::connect(addr).await.unwrap()),
+        None => None,
+    };
+    (upstream, downstream)
+}
+
+/// Writes `source` to the chain's first relay at `first`; the bytes per second until every
+/// one of `relays` has all of them, and what each relay returned.
+async fn send_along<T>(
+    first: std::net::SocketAddr,
+    source: &[Bytes],
+    relays: Vec<JoinHandle<T>>,
+) -> (f64, Vec<T>) {
+    let total: usize = source.iter().map(Bytes::len).sum();
     let started = Instant::now();
-    let mut stream = TcpStream::connect(addrs[0]).await.unwrap();
+    let mut stream = TcpStream::connect(first).await.unwrap();
     for bytes in source {
         stream.write_all(bytes).await.unwrap();
     }
-    let mut landing = Vec::new();
+    let mut returned = Vec::new();
     for relay in relays {
-        landing.push(relay.await.unwrap());
+        returned.push(relay.await.unwrap());
     }
-    (total as f64 / started.elapsed().as_secs_f64(), landing)
+    (total as f64 / started.elapsed().as_secs_f64(), returned)
 }
 
 async fn serve(store: &WeightStore, key: &ClusterKey, name: &str) -> String {
@@ -282,6 +368,7 @@ struct Samples {
     raw_chain: Vec<f64>,
     raw_chain_cpu_seconds: Vec<f64>,
     raw_chain_kept: Vec<f64>,
+    raw_chain_bucketed: Vec<f64>,
     sync_seconds: Vec<f64>,
     sync_cpu_seconds: Vec<f64>,
     trainer_egress_bytes: u64,
@@ -301,6 +388,9 @@ async fn measure(
     let model_bytes: usize = weights.iter().map(|t| t.data.len()).sum();
     // Faulted in before the first run, as a worker's pool is after its first sync.
     let mut kept: Vec<Vec<u8>> = (0..count).map(|_| vec![1u8; model_bytes]).collect();
+    let mut kept_in_buckets: Vec<BytesMut> = (0..count)
+        .map(|_| BytesMut::from(&vec![1u8; model_bytes][..]))
+        .collect();
     let mut samples = Samples::default();
     for _ in 0..repeats {
         samples.raw_loopback.push(raw_loopback(model_bytes).await);
@@ -312,6 +402,10 @@ async fn measure(
         let (kept_rate, returned) = raw_chain_kept(weights, kept).await;
         samples.raw_chain_kept.push(kept_rate);
         kept = returned;
+        let (bucketed_rate, returned) =
+            raw_chain_bucketed(weights, kept_in_buckets, bucket_bytes as usize).await;
+        samples.raw_chain_bucketed.push(bucketed_rate);
+        kept_in_buckets = returned;
         *version += 1;
         let sent_before = chain.trainer.sent_bytes.load(Ordering::Relaxed);
         let (wall, cpu) = sync(&chain, key, *version, weights, bucket_bytes).await;
@@ -332,14 +426,16 @@ impl Samples {
         let raw = median(&mut self.raw_loopback);
         let raw_chain = median(&mut self.raw_chain);
         let kept_chain = median(&mut self.raw_chain_kept);
+        let bucketed_chain = median(&mut self.raw_chain_bucketed);
         let median = median(&mut self.sync_seconds);
         let delivered = model_bytes as f64 / median;
         eprintln!(
-            "{count} workers: {median:.3} s per sync, {:.2} GB/s to the last worker, {cpu_median:.3} CPU s; raw loopback {:.2} GB/s, raw relay chain {:.2} GB/s, {raw_chain_cpu_median:.3} CPU s, keeping the model's bytes {:.2} GB/s",
+            "{count} workers: {median:.3} s per sync, {:.2} GB/s to the last worker, {cpu_median:.3} CPU s; raw loopback {:.2} GB/s, raw relay chain {:.2} GB/s, {raw_chain_cpu_median:.3} CPU s, keeping the model's bytes {:.2} GB/s, relaying them in whole buckets {:.2} GB/s",
             delivered / 1e9,
             raw / 1e9,
             raw_chain / 1e9,
-            kept_chain / 1e9
+            kept_chain / 1e9,
+            bucketed_chain / 1e9
         );
         serde_json::json!({
             "workers": count,
@@ -355,6 +451,8 @@ impl Samples {
             "fraction_of_raw_relay_chain": delivered / raw_chain,
             "raw_relay_chain_kept_bytes_per_second": kept_chain,
             "fraction_of_raw_relay_chain_kept": delivered / kept_chain,
+            "raw_relay_chain_bucketed_bytes_per_second": bucketed_chain,
+            "fraction_of_raw_relay_chain_bucketed": delivered / bucketed_chain,
             "trainer_egress_per_model_bytes": self.trainer_egress_bytes as f64 / (repeats * model_bytes) as f64,
             "cpu_seconds_median": cpu_median,
             "raw_relay_chain_cpu_seconds_median": raw_chain_cpu_median,
