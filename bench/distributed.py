@@ -8,6 +8,7 @@ Writes bench/results/distributed.json. Run `bench/distributed` (it sets up the e
   `rollout launch` (export from torch, buckets, relay, verify, import into torch).
 - Asynchronous (max_staleness 1) vs synchronous (0) completions/s with the same processes on a
   heavy-tailed completion-length workload, and the learning curves of both from one checkpoint.
+- Where each sync's CPU goes, from a system-wide `perf` profile of the launch (bench/sync_cpu.py).
 - Controller capacity with simulated generation workers (examples/controller_capacity.rs).
 """
 
@@ -31,6 +32,7 @@ import tomllib
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench import sync_cpu  # noqa: E402
 from bench.e2e.report import learning_verdict  # noqa: E402
 from bench.e2e.runs import SIZES, write_toml  # noqa: E402
 from python_plugins.quickstart import (  # noqa: E402
@@ -69,9 +71,15 @@ def cargo_example(name: str) -> Path:
 
 
 def launch(
-    config: Path, *overrides: str, timeout: float = 1800, trace: Path | None = None
+    config: Path,
+    *overrides: str,
+    timeout: float = 1800,
+    trace: Path | None = None,
+    under: Sequence[str] = (),
 ) -> list[dict[str, Any]]:
-    args = [str(ROLLOUT), "launch", str(config), "--overwrite"]
+    """`rollout launch config` with `--set overrides`, run under the command `under` if given
+    (a profiler): the lines of its metrics.jsonl."""
+    args = [*under, str(ROLLOUT), "launch", str(config), "--overwrite"]
     if trace is not None:
         args += ["--trace", str(trace)]
     for override in overrides:
@@ -154,11 +162,19 @@ def span_seconds(trace: Path) -> dict[str, list[float]]:
 
 
 def weight_sync_end_to_end(
-    work: Path, small: Path, data: Path, workers: int, steps: int, tag: str, cluster: dict[str, Any]
+    work: Path,
+    small: Path,
+    data: Path,
+    workers: int,
+    steps: int,
+    tag: str,
+    cluster: dict[str, Any],
+    under: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """A real `rollout launch` syncing after every step, with `cluster`'s trainers and
-    staleness: the median `weight_sync_seconds` (the first sync left out) and the median of
-    each weight-sync span of its trace."""
+    """A real `rollout launch` (under `under`, if given) syncing after every step, with
+    `cluster`'s trainers and staleness: the median `weight_sync_seconds` (the first sync left
+    out) and the median of each weight-sync span of its trace, which it leaves at
+    `sync_trace(work, tag)`."""
     config = work / f"sync-{tag}.toml"
     write_toml(
         config,
@@ -170,12 +186,16 @@ def weight_sync_end_to_end(
             cluster={**cluster, "workers": workers, "weight_bucket_bytes": BUCKET_BYTES},
         ),
     )
-    trace = work / f"sync-{tag}.trace.json"
-    lines = launch(config, f"run.output_dir={work / f'sync-{tag}'}", trace=trace)
+    trace = sync_trace(work, tag)
+    lines = launch(config, f"run.output_dir={work / f'sync-{tag}'}", trace=trace, under=under)
     seconds = [line["weight_sync_seconds"] for line in lines[1:]]
     spans = {name: statistics.median(values) for name, values in span_seconds(trace).items() if values}
     print(f"  end to end, {workers} workers: {statistics.median(seconds):.3f} s per sync {spans}", flush=True)
     return {"seconds": seconds, "seconds_median": statistics.median(seconds), "span_seconds_median": spans}
+
+
+def sync_trace(work: Path, tag: str) -> Path:
+    return work / f"sync-{tag}.trace.json"
 
 
 @dataclass(frozen=True)
@@ -193,10 +213,12 @@ class SyncBench:
     repeats: int
     steps: int
 
-    def around_launch(self, workers: int, tag: str, cluster: dict[str, Any]) -> dict[str, Any]:
+    def around_launch(
+        self, workers: int, tag: str, cluster: dict[str, Any], under: Sequence[str] = ()
+    ) -> dict[str, Any]:
         before = weight_sync_transport(self.binary, self.layout, workers, self.repeats)
         end_to_end = weight_sync_end_to_end(
-            self.work, self.small, self.data, workers, self.steps, tag, cluster
+            self.work, self.small, self.data, workers, self.steps, tag, cluster, under
         )
         after = weight_sync_transport(self.binary, self.layout, workers, self.repeats)
         return {"workers": workers, "transport": [before, after], "end_to_end": end_to_end}
@@ -211,6 +233,25 @@ class SyncBench:
                 m = self.around_launch(workers, f"{workers}-{round_}", WHOLE_SYNC)
                 measured.append(with_fractions({"round": round_, **m}))
         return measured
+
+    def profiled(self, workers: int, cores: int) -> dict[str, Any]:
+        """A round at `workers` with its launch under a system-wide `perf record`: the
+        measurement, where its syncs' CPU went (bench/sync_cpu.py), and the raw chain's seconds
+        over the shortest sync that much CPU allows on `cores`."""
+        tag = f"profile-{workers}"
+        samples = self.work / f"{tag}.perf.data"
+        m = with_fractions(
+            self.around_launch(workers, tag, WHOLE_SYNC, under=sync_cpu.record_command(samples))
+        )
+        cpu = sync_cpu.profile(samples, sync_trace(self.work, tag), cores)
+        samples.unlink()
+        print(
+            f"  {workers} workers: {cpu['cpu_seconds_per_sync']:.3f} CPU s per sync on {cores} cores, "
+            f"{cpu['busy_cores']:.2f} busy, {cpu['by_work']}",
+            flush=True,
+        )
+        bound = raw_chain_seconds(m) / cpu["cpu_bound_seconds"] if cpu["cpu_bound_seconds"] else 0.0
+        return {**m, "cpu": cpu, "cpu_bound_fraction_of_raw_chain": bound}
 
     def shipped(self) -> dict[str, Any]:
         """The sync with `configs/distributed.toml`'s cluster settings (`SHIPPED_SYNC`). With
@@ -427,20 +468,26 @@ def controller_capacity() -> dict[str, Any]:
 Figures = tuple[dict[str, Any], dict[str, Any]]
 
 
-def sync_part(work: Path, data: Path, quick: bool) -> Figures:
-    """The weight-sync rounds and the sync in the shipped settings: headline figures, details."""
-    print("weight sync: the ~25M model", flush=True)
+def sync_bench(work: Path, data: Path, quick: bool, steps: int) -> SyncBench:
+    """Syncs of the small model (created on first use) over `steps` steps."""
     small = work / "small"
-    SIZES["small"].create(small, seed=0)
-    bench = SyncBench(
+    if not small.exists():
+        SIZES["small"].create(small, seed=0)
+    return SyncBench(
         work,
         small,
         data,
         binary=cargo_example("weight_sync"),
         layout=sync_layout(work, small),
         repeats=3 if quick else 9,
-        steps=3 if quick else 12,
+        steps=steps,
     )
+
+
+def sync_part(work: Path, data: Path, quick: bool) -> Figures:
+    """The weight-sync rounds and the sync in the shipped settings: headline figures, details."""
+    print("weight sync: the ~25M model", flush=True)
+    bench = sync_bench(work, data, quick, steps=3 if quick else 12)
     measured = bench.rounds(1 if quick else 3)
     shipped = bench.shipped()
     figures = {
@@ -448,6 +495,20 @@ def sync_part(work: Path, data: Path, quick: bool) -> Figures:
         "weight_sync_shipped_settings_pull_fraction_of_raw_chain": shipped["pull_fraction_of_raw_chain"],
     }
     return figures, {"sync_rounds": measured, "sync_shipped_settings": shipped}
+
+
+def profile_part(work: Path, data: Path, quick: bool) -> Figures:
+    """Where a sync's CPU goes at each worker count, and the fraction of the raw chain a sync
+    doing that much work could reach at best on this machine's cores."""
+    print("weight sync under perf: where its CPU goes", flush=True)
+    bench = sync_bench(work, data, quick, steps=3 + sync_cpu.SYNCS_LEFT_OUT if quick else 24)
+    profiled = [bench.profiled(workers, os.cpu_count() or 1) for workers in WORKER_COUNTS]
+    figures = {
+        "weight_sync_cpu_bound_fraction_of_raw_chain": {
+            str(m["workers"]): m["cpu_bound_fraction_of_raw_chain"] for m in profiled
+        }
+    }
+    return figures, {"sync_cpu": profiled}
 
 
 def tail_part(work: Path, data: Path, quick: bool) -> Figures:
@@ -482,6 +543,7 @@ def controller_part(work: Path, data: Path, quick: bool) -> Figures:
 
 PARTS: dict[str, Callable[[Path, Path, bool], Figures]] = {
     "sync": sync_part,
+    "profile": profile_part,
     "tail": tail_part,
     "async": async_part,
     "controller": controller_part,
@@ -501,6 +563,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parts = set(args.parts.split(","))
     if not parts <= set(PARTS):
         parser.error(f"--parts: unknown {sorted(parts - set(PARTS))}")
+    if "profile" in parts and not sync_cpu.perf_available():
+        parser.error("--parts profile needs Linux perf on PATH (Debian: apt install linux-perf)")
     work: Path = args.work
     if work.exists():
         shutil.rmtree(work)

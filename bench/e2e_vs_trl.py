@@ -32,7 +32,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.e2e.flops import machine_limits, matmul_shapes  # noqa: E402
 from bench.e2e.processes import run_measured  # noqa: E402
-from bench.e2e.report import headline, learning_verdict, pair_ratios, report  # noqa: E402
+from bench.e2e.report import headline, learning_verdict, other_hosts, pair_ratios, report  # noqa: E402
 from bench.e2e.runs import (  # noqa: E402
     SIZES,
     ModelSize,
@@ -282,6 +282,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     tables = bench.speed_tables()
     learning = bench.learning_check()
     results = bench.results(argv if argv is not None else sys.argv[1:], tables, learning)
+    previous = json.loads(RESULTS.read_text()) if RESULTS.exists() else None
+    results["other_hosts"] = other_hosts(previous, results["machine"]["cpu"])
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {RESULTS.relative_to(REPO)}")

@@ -35,15 +35,32 @@ sys.path.insert(0, str(REPO))
 
 from bench.distributed import cpu_model  # noqa: E402
 from bench.e2e.flops import forward_gemm_seconds, matmul_shapes  # noqa: E402
+from bench.hosts import carry_other_hosts  # noqa: E402
+from python_plugins.decode_matmuls import host_gains_from_weight_first  # noqa: E402
 from python_plugins.quickstart import create_tiny_model  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "engine.json"
+# How `engine_matmuls = "auto"` multiplies a decode step's few rows on this host, and the other
+# form (python_plugins/decode_matmuls.py).
+TAIL_MATMULS = "weight_first_tail" if host_gains_from_weight_first() else "linear"
+OTHER_TAIL_MATMULS = "linear" if TAIL_MATMULS == "weight_first_tail" else "weight_first_tail"
 # Each feature is measured by running the engine without it right before or right after the
 # engine with it, in turns.
 ABLATIONS = {
     "shared_prefix_attention": ("--set", "policy.options.shared_prefix_attention=false"),
-    "weight_first_matmuls": ("--set", 'policy.options.engine_matmuls="linear"'),
+    "host_tail_matmuls": ("--set", f'policy.options.engine_matmuls="{OTHER_TAIL_MATMULS}"'),
 }
+# An engine run's figures kept for its host when the next run is on another.
+HOST_FIGURES = (
+    "date",
+    "command",
+    "machine",
+    "tokens_per_second_rollout",
+    "tokens_per_second_hf_generate",
+    "speedup_vs_hf_generate",
+    "compute_bound_fraction_per_query_token",
+    "compute_bound_fraction_at_peak_gemm",
+)
 DOCS = REPO / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- engine:begin -->", "<!-- engine:end -->"
 WORDS = "the a of to and in is it that for on with as at by this be are from or an".split()
@@ -285,6 +302,7 @@ def summarise(args: argparse.Namespace, records: list[dict], runs: list[dict], p
     return {
         "command": "bench/engine " + " ".join(sys.argv[3:]),
         "date": datetime.date.today().isoformat(),
+        "cpu": cpu_model(),
         "machine": f"{cpu_model()} ({platform.machine()}), {torch.get_num_threads()} torch threads",
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "model": {"hidden_size": 512, "layers": 8, "parameters": parameters},
@@ -305,6 +323,7 @@ def summarise(args: argparse.Namespace, records: list[dict], runs: list[dict], p
         ),
         "speedup_vs_hf_generate": median("speedup"),
         **{f"{name}_speedup": median(f"{name}_speedup") for name in ABLATIONS},
+        "tail_matmuls": {"auto": TAIL_MATMULS, "against": OTHER_TAIL_MATMULS},
         "compute_bound_fraction_per_query_token": median("compute_bound_fraction_per_query_token"),
         "compute_bound_fraction_at_peak_gemm": median("compute_bound_fraction_at_peak_gemm"),
         "query_tokens_per_run": int(sum(rows)),
@@ -335,6 +354,10 @@ def main() -> None:
 
     runs = [measure_repeat(repeat, engine, hf, records, config) for repeat in range(args.repeats)]
     summary = summarise(args, records, runs, parameters)
+    previous = json.loads(RESULTS.read_text()) if RESULTS.exists() else None
+    summary["other_hosts"] = carry_other_hosts(
+        previous, summary["cpu"], lambda results: results["cpu"], host_figures
+    )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps({k: v for k, v in summary.items() if k != "runs"}, indent=2))
@@ -342,11 +365,29 @@ def main() -> None:
         update_docs(summary)
 
 
+def host_figures(results: dict) -> dict:
+    return {key: results[key] for key in HOST_FIGURES}
+
+
+def other_host_lines(summary: dict) -> list[str]:
+    """One line per other host: its latest figures, from `other_hosts`."""
+    lines = [
+        f"The latest run on {cpu} ({host['date']}, `{host['command'].strip()}`, {host['machine']}): "
+        f"compute-bound fraction **{host['compute_bound_fraction_per_query_token']:.2f}** "
+        f"({host['compute_bound_fraction_at_peak_gemm']:.2f} against the best GEMM rate), "
+        f"{host['tokens_per_second_rollout']:.0f} tokens/s, {host['speedup_vs_hf_generate']:.2f}x HF "
+        "`generate`."
+        for cpu, host in summary.get("other_hosts", {}).items()
+    ]
+    return [*lines, ""] if lines else []
+
+
 def update_docs(summary: dict) -> None:
+    tail = summary["tail_matmuls"]
     rows = [
         "| run | Rollout engine tok/s | HF generate tok/s | speed-up | compute-bound fraction "
         "| engine without shared-prefix attention tok/s | its gain "
-        "| engine with `nn.Linear` matmuls tok/s | weight-first matmuls' gain |",
+        f"| engine with `engine_matmuls = \"{tail['against']}\"` tok/s | this host's tail matmuls' gain |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for i, run in enumerate(summary["runs"]):
@@ -356,8 +397,8 @@ def update_docs(summary: dict) -> None:
             f"{run['compute_bound_fraction_per_query_token']:.2f} | "
             f"{run['rollout_without_shared_prefix_attention']['tokens_per_second']:.0f} | "
             f"{run['shared_prefix_attention_speedup']:.2f}x | "
-            f"{run['rollout_without_weight_first_matmuls']['tokens_per_second']:.0f} | "
-            f"{run['weight_first_matmuls_speedup']:.2f}x |"
+            f"{run['rollout_without_host_tail_matmuls']['tokens_per_second']:.0f} | "
+            f"{run['host_tail_matmuls_speedup']:.2f}x |"
         )
     workload = summary["workload"]
     overhead = summary["overhead_fraction"]
@@ -375,6 +416,7 @@ def update_docs(summary: dict) -> None:
             f"(mean {workload['budget_mean']:.1f}, max {workload['budget_max']}), "
             f"{workload['tokens']} tokens; HF static batches of {workload['hf_batch_rows']} rows.",
             "",
+            *other_host_lines(summary),
             *rows,
             "",
             f"Median speed-up **{summary['speedup_vs_hf_generate']:.2f}x**"
@@ -388,9 +430,10 @@ def update_docs(summary: dict) -> None:
             "Shared-prefix attention (`policy.options.shared_prefix_attention`, on by default) "
             f"gains **{summary['shared_prefix_attention_speedup']:.2f}x** (median of the per-run "
             "ratios; each run has the engine without it right before or right after, in turns); "
-            "weight-first matmuls for steps of few rows (`policy.options.engine_matmuls`, "
-            f"`auto` by default) gain **{summary['weight_first_matmuls_speedup']:.2f}x**, measured "
-            "the same way against `nn.Linear`.",
+            'the matmuls `policy.options.engine_matmuls = "auto"` (the default) picks on this '
+            f'host for steps of few rows, `"{tail["auto"]}"`, gain '
+            f"**{summary['host_tail_matmuls_speedup']:.2f}x**, measured the same way against "
+            f'`"{tail["against"]}"`.',
             "",
             "Compute-bound fraction per query token (median over the runs): "
             f"**{summary['compute_bound_fraction_per_query_token']:.2f}**: the model's weight matmuls "

@@ -7,7 +7,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from bench.e2e import REPO
-from bench.e2e.runs import PHASES
+from bench.e2e.runs import PHASES, SIZES
+from bench.hosts import carry_other_hosts
 
 DOCS = REPO / "docs" / "benchmarks.md"
 PLOT = REPO / "docs" / "e2e_vs_trl_learning.png"
@@ -70,6 +71,29 @@ def headline(pairs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return result
 
 
+# A host's figures kept beside the latest run on another host, per model size.
+HOST_FIGURES = ("throughput_ratio", "memory_ratio", "compute_bound_fraction", "train_compute_bound_fraction")
+
+
+def host_summary(results: Mapping[str, Any]) -> dict[str, Any]:
+    """A run's headline figures per model size (fp32, no KL term), with its date, command and
+    learning verdicts."""
+    learning = results.get("learning") or {}
+    return {
+        "date": results["date"],
+        "command": results["command"],
+        "cores": results["machine"]["cores"],
+        **{size: {key: results[size][key] for key in HOST_FIGURES} for size in SIZES if size in results},
+        "learning_not_worse": {size: v["not_worse"] for size, v in learning.get("verdicts", {}).items()},
+    }
+
+
+def other_hosts(previous: Mapping[str, Any] | None, cpu: str) -> dict[str, Any]:
+    """The latest figures of every host but `cpu`, carried over from the `previous` results
+    file (written on whichever host ran before)."""
+    return carry_other_hosts(previous, cpu, lambda results: results["machine"]["cpu"], host_summary)
+
+
 def markdown(results: Mapping[str, Any]) -> str:
     lines = _machine_lines(results)
     for precision, table in results["tables"].items():
@@ -96,7 +120,25 @@ def _machine_lines(results: Mapping[str, Any]) -> list[str]:
         f"memory copy {any_limits['copy_gbytes_per_second']:.1f} GB/s; a Python process that has "
         f"only imported torch: {_mib(results['machine']['import_torch_rss_bytes'])}.",
         "",
+        *_other_host_lines(results),
     ]
+
+
+def _other_host_lines(results: Mapping[str, Any]) -> list[str]:
+    """The latest headline figures measured on each other host, from `other_hosts`."""
+    lines = []
+    for cpu, host in results.get("other_hosts", {}).items():
+        sizes = [
+            f"{size} {host[size]['throughput_ratio']:.2f}x TRL's completions/s at "
+            f"{host[size]['memory_ratio']:.2f}x its peak memory"
+            for size in SIZES
+            if size in host
+        ]
+        lines.append(
+            f"The latest run on {cpu} ({host['cores']} cores, {host['date']}, `{host['command']}`; "
+            f"fp32, no KL): {'; '.join(sizes)}."
+        )
+    return [*lines, ""] if lines else []
 
 
 def _overlap_lines(results: Mapping[str, Any]) -> list[str]:

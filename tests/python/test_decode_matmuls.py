@@ -40,12 +40,14 @@ def _model(*sizes: tuple[int, int]) -> torch.nn.Sequential:
     return torch.nn.Sequential(*(torch.nn.Linear(n_in, n_out, bias=False) for n_in, n_out in sizes))
 
 
-def test_auto_picks_large_host_matrices_and_few_rows_inside_the_engine_only(monkeypatch):
+@pytest.mark.parametrize("mode", ["auto", "weight_first_tail"])
+def test_the_tail_rule_picks_large_host_matrices_and_few_rows_inside_the_engine_only(monkeypatch, mode):
+    monkeypatch.setattr(decode_matmuls, "host_gains_from_weight_first", lambda: True)
     recorder = _Recorder()
     monkeypatch.setattr(decode_matmuls, "weight_first_linear", recorder)
     model = _model((512, 512), (512, 64), (64, 512))
-    assert install_engine_matmuls(model, "auto") == 1  # the 512x64 and 64x512 ones are small
-    assert install_engine_matmuls(_model((512, 512)).to(torch.bfloat16), "auto") == 0
+    assert install_engine_matmuls(model, mode) == 1  # the 512x64 and 64x512 ones are small
+    assert install_engine_matmuls(_model((512, 512)).to(torch.bfloat16), mode) == 0
     big = model[0]
     few, many = torch.randn(3, 512), torch.randn(WEIGHT_FIRST_MAX_ROWS + 1, 512)
     big(few)  # outside the engine: nn.Linear
@@ -55,6 +57,31 @@ def test_auto_picks_large_host_matrices_and_few_rows_inside_the_engine_only(monk
         big(many)
         model[1](few)
     assert recorder.rows == [3]
+
+
+def test_auto_keeps_nn_linear_on_a_host_that_does_not_gain(monkeypatch):
+    monkeypatch.setattr(decode_matmuls, "host_gains_from_weight_first", lambda: False)
+    recorder = _Recorder()
+    monkeypatch.setattr(decode_matmuls, "weight_first_linear", recorder)
+    model, forced = _model((512, 512)), _model((512, 512))
+    assert install_engine_matmuls(model, "auto") == 0
+    assert install_engine_matmuls(forced, "weight_first_tail") == 1
+    with engine_forward():
+        model(torch.randn(2, 512))
+        forced(torch.randn(2, 512))
+    assert recorder.rows == [2]
+
+
+@pytest.mark.parametrize(
+    ("cpuinfo", "vendor"),
+    [
+        ("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n", "AuthenticAMD"),
+        ("vendor_id\t: GenuineIntel\n\nprocessor\t: 1\nvendor_id\t: AuthenticAMD\n", "GenuineIntel"),
+        ("processor\t: 0\nBogoMIPS\t: 50.00\nCPU implementer\t: 0x41\n", None),
+    ],
+)
+def test_cpu_vendor_is_the_first_processors(cpuinfo, vendor):
+    assert decode_matmuls.cpu_vendor(cpuinfo) == vendor
 
 
 def test_outside_the_engine_the_layer_is_nn_linear_bit_for_bit_with_its_gradients():

@@ -156,3 +156,39 @@ def test_learning_verdict_compares_the_second_halves() -> None:
     verdict = report.learning_verdict(much_worse, flat)
     assert verdict["difference"] == pytest.approx(0.05 - 0.3)
     assert not verdict["not_worse"]
+
+
+def host_results(cpu: str, date: str, tiny_ratio: float, **extra: object) -> dict[str, object]:
+    figures = {key: 0.5 for key in report.HOST_FIGURES}
+    return {
+        "date": date,
+        "command": "bench/e2e_vs_trl",
+        "machine": {"cpu": cpu, "cores": 2},
+        "tiny": {**figures, "throughput_ratio": tiny_ratio, "completions_per_second": {}},
+        "learning": {"verdicts": {"tiny": {"not_worse": True}}},
+        **extra,
+    }
+
+
+def test_a_run_on_one_host_keeps_the_latest_figures_of_the_others() -> None:
+    amd = host_results("AMD EPYC", "2026-12-05", 3.1)
+    # The first run on Intel carries AMD's figures over.
+    hosts = report.other_hosts(amd, "Intel Xeon")
+    assert list(hosts) == ["AMD EPYC"]
+    assert hosts["AMD EPYC"]["tiny"]["throughput_ratio"] == 3.1
+    assert hosts["AMD EPYC"]["date"] == "2026-12-05"
+    assert hosts["AMD EPYC"]["learning_not_worse"] == {"tiny": True}
+    assert "small" not in hosts["AMD EPYC"]
+    # A second run on Intel keeps them; a run back on AMD replaces AMD's and keeps Intel's.
+    intel = host_results("Intel Xeon", "2026-12-06", 2.3, other_hosts=hosts)
+    assert report.other_hosts(intel, "Intel Xeon") == hosts
+    back_on_amd = report.other_hosts(intel, "AMD EPYC")
+    assert list(back_on_amd) == ["Intel Xeon"]
+    assert back_on_amd["Intel Xeon"]["tiny"]["throughput_ratio"] == 2.3
+    assert report.other_hosts(None, "AMD EPYC") == {}
+
+
+def test_the_other_hosts_figures_are_named_in_the_docs() -> None:
+    amd = host_results("AMD EPYC", "2026-12-05", 3.1)
+    lines = report._other_host_lines({"other_hosts": report.other_hosts(amd, "Intel Xeon")})
+    assert "AMD EPYC" in lines[0] and "tiny 3.10x" in lines[0] and "2026-12-05" in lines[0]
