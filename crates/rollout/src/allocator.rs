@@ -14,13 +14,19 @@ static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 ///   so a step of a few seconds found much of what the step before freed purged and faulted
 ///   it in again (100-200 thousand page faults per forward pass of the 25M model). Kept,
 ///   they are reused, for a peak 0.5-1.4% higher in the workloads measured.
+/// - `narenas:1`: by default each thread allocates from one of 4 arenas per core, and the
+///   pages an arena keeps serve only its own threads: the pages torch's second OpenMP thread
+///   freed in a training pass stayed beside the main thread's, 57-64 MiB more peak on the
+///   25M model (`bench/e2e_vs_trl`'s `rollout run`), at the same step time. Python's
+///   allocations are serialised by its lock anyway, and small ones go through per-thread
+///   caches.
 ///
 /// See docs/memory.md.
 // SAFETY: jemalloc declares `malloc_conf` as a weak `const char *` for the program to define;
 // this is a pointer to a NUL-terminated string that lives for the whole process.
 #[allow(unsafe_code)]
 #[unsafe(export_name = "malloc_conf")]
-static JEMALLOC_OPTIONS: &[u8; 39] = b"oversize_threshold:0,dirty_decay_ms:-1\0";
+static JEMALLOC_OPTIONS: &[u8; 49] = b"oversize_threshold:0,dirty_decay_ms:-1,narenas:1\0";
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
@@ -47,8 +53,10 @@ mod tests {
     }
 
     #[test]
-    fn the_binary_starts_jemalloc_without_its_oversize_arena_and_keeping_freed_pages() {
+    fn the_binary_starts_jemalloc_with_one_arena_keeping_freed_pages() {
         assert_eq!(read::<usize>(c"opt.oversize_threshold"), 0);
         assert_eq!(read::<isize>(c"opt.dirty_decay_ms"), -1);
+        assert_eq!(read::<u32>(c"opt.narenas"), 1);
+        assert_eq!(read::<u32>(c"arenas.narenas"), 1);
     }
 }
