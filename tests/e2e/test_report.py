@@ -176,9 +176,12 @@ def test_chromium_renders_the_charts(tmp_path: Path, runs: list[Path]) -> None:
     assert background.mean() < 0.97, "almost nothing but background"
     for colour in RUN_COLOURS:
         # Each run's lines, markers and legend entries, in its colour, spread down the page
-        # (every chart), not in one spot.
+        # (every chart), not in one spot. How many rows a line covers depends on the run's
+        # data (a run whose reward stays 0 draws flat lines), so the spread is counted in
+        # bands of 100 rows: the runs table, the legend of each row of charts, the phase
+        # table and the phase charts' legends are in at least six of them whatever the data.
         near = np.abs(image - np.array(colour)).max(axis=2) < 24
-        rows = int(near.any(axis=1).sum())
+        bands = {int(row) // 100 for row in np.nonzero(near.any(axis=1))[0]}
         assert near.sum() > 1500, f"the run colour {colour} covers only {near.sum()} pixels"
-        assert rows > 200, f"the run colour {colour} is on only {rows} rows"
+        assert len(bands) >= 6, f"the run colour {colour} is in only the row bands {sorted(bands)}"
     print(f"screenshot: {screenshot}, {len(colours)} colours, {1 - background.mean():.1%} not background")
