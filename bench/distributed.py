@@ -15,6 +15,7 @@ Writes bench/results/distributed.json. Run `bench/distributed` (it sets up the e
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import random
@@ -572,18 +573,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     data_dir = work / "data"
     write_addition_splits(data_dir, train=TRAIN_EXAMPLES, test=TEST_EXAMPLES, seed=0)
     results: dict[str, Any] = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    details = results.setdefault("details", {})
-    results["machine"] = {"cpus": os.cpu_count(), "cpu_model": cpu_model()}
+    host = {"cpu_model": cpu_model(), "date": datetime.date.today().isoformat()}
+    results["machine"] = {"cpus": os.cpu_count(), "cpu_model": host["cpu_model"]}
     for name, measure in PARTS.items():
         if name in parts:
-            figures, part_details = measure(work, data_dir / "train.jsonl", args.quick)
-            results.update(figures)
-            details.update(part_details)
+            record_part(results, name, *measure(work, data_dir / "train.jsonl", args.quick), host)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
     summary = {k: v for k, v in results.items() if k != "details"}
     print(json.dumps(summary, indent=2))
     return 0
+
+
+def record_part(
+    results: dict[str, Any], part: str, figures: dict[str, Any], details: dict[str, Any], host: dict[str, str]
+) -> None:
+    """Puts a part's `figures` and `details` into `results`, and which `host` measured them
+    when (`parts`). Where another kind of host measured that part before, its figures are kept
+    under `other_hosts`, so that a run on one kind of host does not drop another's."""
+    measured_by = results.setdefault("parts", {})
+    before = measured_by.get(part)
+    if before is not None and before["cpu_model"] != host["cpu_model"]:
+        kept = {key: results[key] for key in figures if key in results}
+        if kept:
+            other = results.setdefault("other_hosts", {}).setdefault(before["cpu_model"], {})
+            other[part] = {"date": before["date"], **kept}
+    results.update(figures)
+    results.setdefault("details", {}).update(details)
+    measured_by[part] = host
 
 
 def cpu_model() -> str:

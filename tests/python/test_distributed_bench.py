@@ -79,3 +79,26 @@ def test_the_shipped_settings_sync_is_its_pull_against_the_raw_chain_around_it(
     shipped_cluster = tomllib.loads((REPO / "configs" / "distributed.toml").read_text())["cluster"]
     assert launched == [{"workers": shipped_cluster["workers"], "cluster": shipped_cluster}]
     assert shipped["pull_fraction_of_raw_chain"] == pytest.approx(0.8)
+
+
+def test_a_part_rerun_on_another_host_keeps_that_hosts_figures() -> None:
+    intel = {"cpu_model": "Intel Xeon", "date": "2026-12-06"}
+    amd = {"cpu_model": "AMD EPYC", "date": "2026-12-07"}
+    results: dict[str, Any] = {}
+    distributed.record_part(
+        results, "tail", {"step_seconds_p99_over_median": 1.4}, {"step_time_tail": 1}, intel
+    )
+    distributed.record_part(results, "sync", {"weight_sync_seconds": {"1": 0.07}}, {}, intel)
+    assert "other_hosts" not in results
+    distributed.record_part(
+        results, "tail", {"step_seconds_p99_over_median": 1.2}, {"step_time_tail": 2}, amd
+    )
+    assert results["step_seconds_p99_over_median"] == 1.2
+    assert results["details"] == {"step_time_tail": 2}
+    assert results["parts"] == {"tail": amd, "sync": intel}
+    # Only the rerun part's figures move, under the host and date that measured them.
+    assert results["other_hosts"] == {
+        "Intel Xeon": {"tail": {"date": "2026-12-06", "step_seconds_p99_over_median": 1.4}}
+    }
+    distributed.record_part(results, "tail", {"step_seconds_p99_over_median": 1.3}, {}, amd)
+    assert results["other_hosts"]["Intel Xeon"]["tail"]["step_seconds_p99_over_median"] == 1.4
