@@ -36,6 +36,7 @@ sys.path.insert(0, str(REPO))
 from bench import sync_cpu  # noqa: E402
 from bench.e2e.report import learning_verdict  # noqa: E402
 from bench.e2e.runs import SIZES, write_toml  # noqa: E402
+from bench.hosts import carry_other_hosts  # noqa: E402
 from python_plugins.quickstart import (  # noqa: E402
     QUICKSTART_MODEL,
     TEST_EXAMPLES,
@@ -589,15 +590,31 @@ def record_part(
     results: dict[str, Any], part: str, figures: dict[str, Any], details: dict[str, Any], host: dict[str, str]
 ) -> None:
     """Puts a part's `figures` and `details` into `results`, and which `host` measured them
-    when (`parts`). Where another kind of host measured that part before, its figures are kept
-    under `other_hosts`, so that a run on one kind of host does not drop another's."""
+    when (`parts`). The part's latest figures from every other kind of host stay under
+    `other_hosts.<cpu>.<part>` (`carry_other_hosts`, one part at a time), so that a run on
+    one kind of host does not drop another's."""
     measured_by = results.setdefault("parts", {})
+    others: dict[str, dict[str, Any]] = results.pop("other_hosts", {})
     before = measured_by.get(part)
-    if before is not None and before["cpu_model"] != host["cpu_model"]:
-        kept = {key: results[key] for key in figures if key in results}
-        if kept:
-            other = results.setdefault("other_hosts", {}).setdefault(before["cpu_model"], {})
-            other[part] = {"date": before["date"], **kept}
+    previous = None
+    if before is not None:
+        previous = {
+            "host": before,
+            "figures": {key: results[key] for key in figures if key in results},
+            "other_hosts": {cpu: parts[part] for cpu, parts in others.items() if part in parts},
+        }
+    carried = carry_other_hosts(
+        previous,
+        host["cpu_model"],
+        lambda previous: previous["host"]["cpu_model"],
+        lambda previous: {"date": previous["host"]["date"], **previous["figures"]},
+    )
+    for parts in others.values():
+        parts.pop(part, None)
+    for cpu, part_figures in carried.items():
+        others.setdefault(cpu, {})[part] = part_figures
+    if any(others.values()):
+        results["other_hosts"] = {cpu: parts for cpu, parts in others.items() if parts}
     results.update(figures)
     results.setdefault("details", {}).update(details)
     measured_by[part] = host

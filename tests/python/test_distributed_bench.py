@@ -102,3 +102,9 @@ def test_a_part_rerun_on_another_host_keeps_that_hosts_figures() -> None:
     }
     distributed.record_part(results, "tail", {"step_seconds_p99_over_median": 1.3}, {}, amd)
     assert results["other_hosts"]["Intel Xeon"]["tail"]["step_seconds_p99_over_median"] == 1.4
+    # Back on Intel: the AMD figures become the other host's and Intel's old entry goes.
+    distributed.record_part(results, "tail", {"step_seconds_p99_over_median": 1.5}, {}, intel)
+    assert results["step_seconds_p99_over_median"] == 1.5
+    assert results["other_hosts"] == {
+        "AMD EPYC": {"tail": {"date": "2026-12-07", "step_seconds_p99_over_median": 1.3}}
+    }
