@@ -4,7 +4,8 @@ Writes bench/results/distributed.json. Run `bench/distributed` (it sets up the e
 
 - Weight sync of the ~25M model (the `small` model of bench/e2e) to 1, 2 and 4 workers over
   loopback: the transport alone (examples/weight_sync.rs: trainer store -> relay chain of
-  worker stores, against raw loopback TCP measured between the syncs), and end to end in a real
+  worker stores, against raw loopback TCP measured between the syncs; once with the version
+  filled before the pull, once filled by the trainer's own copy while it is pulled), and end to end in a real
   `rollout launch` (export from torch, buckets, relay, verify, import into torch).
 - Asynchronous (max_staleness 1) vs synchronous (0) completions/s with the same processes on a
   heavy-tailed completion-length workload, and the learning curves of both from one checkpoint.
@@ -352,6 +353,14 @@ def sync_results(measured: Sequence[dict[str, Any]]) -> dict[str, Any]:
             for w in WORKER_COUNTS
         },
         "weight_sync_transport_seconds": transport_median(measured, "seconds_median"),
+        # The transport with the trainer's bucket copy (`weights.fill`) running beside the pull,
+        # as in a launch: what that copy costs the sync, with no Python in the way.
+        "weight_sync_transport_while_filling_seconds": transport_median(
+            measured, "while_filling_seconds_median"
+        ),
+        "weight_sync_transport_while_filling_fraction_of_raw_chain": transport_median(
+            measured, "while_filling_fraction_of_raw_relay_chain"
+        ),
     }
 
 

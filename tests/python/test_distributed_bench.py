@@ -21,6 +21,8 @@ def transport(chain_gbps: float, kept_gbps: float, seconds: float) -> dict[str, 
         "raw_relay_chain_kept_bytes_per_second": kept_gbps * 1e9,
         "raw_relay_chain_bucketed_bytes_per_second": kept_gbps / 2 * 1e9,
         "seconds_median": seconds,
+        "while_filling_seconds_median": seconds * 1.25,
+        "while_filling_fraction_of_raw_relay_chain": 0.64,
         "fraction_of_loopback": 0.5,
         "fraction_of_raw_relay_chain": 0.8,
         "trainer_egress_per_model_bytes": 1.0,
@@ -56,6 +58,8 @@ def test_headline_figures_are_medians_over_each_worker_counts_rounds() -> None:
     assert results["weight_sync_end_to_end_fraction_of_raw_chain"] == {"1": 0.5, "2": 0.5, "4": 0.5}
     assert results["weight_sync_seconds"] == {"1": 0.1, "2": 0.1, "4": 0.1}
     assert results["weight_sync_transport_seconds"]["4"] == pytest.approx(0.05)
+    assert results["weight_sync_transport_while_filling_seconds"]["4"] == pytest.approx(0.0625)
+    assert results["weight_sync_transport_while_filling_fraction_of_raw_chain"]["1"] == pytest.approx(0.64)
     assert [m["fraction_of_raw_chain"] for m in measured[:3]] == pytest.approx([1.0, 0.5, 0.25])
 
 

@@ -1,6 +1,7 @@
 //! Benchmark of the weight-sync transport (bench/distributed.py runs it): one trainer store
 //! and N generation-worker stores in a relay chain over loopback TCP, against raw loopback
-//! TCP measured in the same run. Prints one JSON object.
+//! TCP measured in the same run, each sync once with its version filled beforehand and once
+//! filled by the trainer's bucket copy while the workers pull it. Prints one JSON object.
 //!
 //! Usage: weight_sync LAYOUT.json BUCKET_BYTES REPEATS WORKERS...
 //! where LAYOUT.json is `[["name", [shape...]], ...]` (float32 tensors).
@@ -11,6 +12,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use bytes::{BufMut, Bytes, BytesMut};
+use rollout_core::cluster::buckets::PlannedVersion;
 use rollout_core::cluster::weights::{VersionBuffer, WeightStore};
 use rollout_net::ClusterKey;
 use rollout_net::TensorBytes;
@@ -296,7 +298,7 @@ async fn sync(
     let Chain {
         trainer,
         trainer_addr,
-        workers,
+        ..
     } = chain;
     drop(trainer.retire());
     let buffer = VersionBuffer::from_tensors(version, weights, bucket_bytes).unwrap();
@@ -310,6 +312,68 @@ async fn sync(
     let cpu_before = process_cpu_seconds();
     let started = Instant::now();
     trainer.publish(Arc::new(buffer));
+    pull_along(chain, key, &report).await;
+    (
+        started.elapsed().as_secs_f64(),
+        process_cpu_seconds() - cpu_before,
+    )
+}
+
+/// Each tensor as a trainer lends it to be bucketed: name, dtype, shape and bytes in place.
+fn views(weights: &[TensorBytes]) -> Vec<(&str, Dtype, &[u64], &[u8])> {
+    weights
+        .iter()
+        .map(|t| (t.name.as_str(), t.dtype, t.shape.as_slice(), &t.data[..]))
+        .collect()
+}
+
+/// One sync of `version` as a trainer serves it: announced before its buckets hold a byte,
+/// then filled by a thread of its own (`PlannedVersion::fill`, the trainer's `weights.fill`:
+/// each bucket copied and checksummed into the allocations of the version before) while the
+/// workers already pull. Returns the seconds until every worker has verified the version.
+async fn sync_while_filling(
+    chain: &Chain,
+    key: &ClusterKey,
+    version: u64,
+    weights: &[TensorBytes],
+    bucket_bytes: u64,
+) -> f64 {
+    // The checksum the pullers verify, computed before the clock starts (a trainer seals
+    // the version with it once filled).
+    let checksum = PlannedVersion::plan(version, bucket_bytes, views(weights))
+        .unwrap()
+        .checksum();
+    let report = WeightsReport {
+        version,
+        checksum,
+        bytes: weights.iter().map(|t| t.data.len() as u64).sum(),
+        source: chain.trainer_addr.clone(),
+        holder: "trainer".into(),
+    };
+    let allocations = chain.trainer.retire();
+    let owned = weights.to_vec();
+    let started = Instant::now();
+    let (announce, announced) = tokio::sync::oneshot::channel();
+    let filler = std::thread::spawn(move || {
+        let planned = PlannedVersion::plan(version, bucket_bytes, views(&owned)).unwrap();
+        let buffer = Arc::new(planned.buffer());
+        announce.send(buffer.clone()).unwrap();
+        planned.fill(&buffer, allocations);
+    });
+    chain.trainer.publish(announced.await.unwrap());
+    pull_along(chain, key, &report).await;
+    let seconds = started.elapsed().as_secs_f64();
+    filler.join().unwrap();
+    seconds
+}
+
+/// Has every worker of `chain` pull `report`'s version along the chain and verify it.
+async fn pull_along(chain: &Chain, key: &ClusterKey, report: &WeightsReport) {
+    let Chain {
+        trainer_addr,
+        workers,
+        ..
+    } = chain;
     let mut pulls = Vec::new();
     let mut source = trainer_addr.clone();
     for (index, worker) in workers.iter().enumerate() {
@@ -332,10 +396,6 @@ async fn sync(
     for pull in pulls {
         pull.await.unwrap();
     }
-    (
-        started.elapsed().as_secs_f64(),
-        process_cpu_seconds() - cpu_before,
-    )
 }
 
 /// CPU seconds the process's live threads have run so far (the scheduler's nanosecond
@@ -371,6 +431,7 @@ struct Samples {
     raw_chain_bucketed: Vec<f64>,
     sync_seconds: Vec<f64>,
     sync_cpu_seconds: Vec<f64>,
+    sync_while_filling_seconds: Vec<f64>,
     trainer_egress_bytes: u64,
 }
 
@@ -413,6 +474,10 @@ async fn measure(
         samples.sync_cpu_seconds.push(cpu);
         samples.trainer_egress_bytes +=
             chain.trainer.sent_bytes.load(Ordering::Relaxed) - sent_before;
+        *version += 1;
+        samples
+            .sync_while_filling_seconds
+            .push(sync_while_filling(&chain, key, *version, weights, bucket_bytes).await);
     }
     samples
 }
@@ -427,10 +492,11 @@ impl Samples {
         let raw_chain = median(&mut self.raw_chain);
         let kept_chain = median(&mut self.raw_chain_kept);
         let bucketed_chain = median(&mut self.raw_chain_bucketed);
+        let while_filling = median(&mut self.sync_while_filling_seconds);
         let median = median(&mut self.sync_seconds);
         let delivered = model_bytes as f64 / median;
         eprintln!(
-            "{count} workers: {median:.3} s per sync, {:.2} GB/s to the last worker, {cpu_median:.3} CPU s; raw loopback {:.2} GB/s, raw relay chain {:.2} GB/s, {raw_chain_cpu_median:.3} CPU s, keeping the model's bytes {:.2} GB/s, relaying them in whole buckets {:.2} GB/s",
+            "{count} workers: {median:.3} s per sync ({while_filling:.3} s filled while pulled), {:.2} GB/s to the last worker, {cpu_median:.3} CPU s; raw loopback {:.2} GB/s, raw relay chain {:.2} GB/s, {raw_chain_cpu_median:.3} CPU s, keeping the model's bytes {:.2} GB/s, relaying them in whole buckets {:.2} GB/s",
             delivered / 1e9,
             raw / 1e9,
             raw_chain / 1e9,
@@ -449,6 +515,9 @@ impl Samples {
             "fraction_of_loopback": delivered / raw,
             "raw_relay_chain_bytes_per_second": raw_chain,
             "fraction_of_raw_relay_chain": delivered / raw_chain,
+            "while_filling_seconds": self.sync_while_filling_seconds,
+            "while_filling_seconds_median": while_filling,
+            "while_filling_fraction_of_raw_relay_chain": model_bytes as f64 / while_filling / raw_chain,
             "raw_relay_chain_kept_bytes_per_second": kept_chain,
             "fraction_of_raw_relay_chain_kept": delivered / kept_chain,
             "raw_relay_chain_bucketed_bytes_per_second": bucketed_chain,
