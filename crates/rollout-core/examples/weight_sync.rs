@@ -340,13 +340,11 @@ async fn sync_while_filling(
 ) -> f64 {
     // The checksum the pullers verify, computed before the clock starts (a trainer seals
     // the version with it once filled).
-    let checksum = PlannedVersion::plan(version, bucket_bytes, views(weights))
-        .unwrap()
-        .checksum();
+    let planned = PlannedVersion::plan(version, bucket_bytes, views(weights)).unwrap();
     let report = WeightsReport {
         version,
-        checksum,
-        bytes: weights.iter().map(|t| t.data.len() as u64).sum(),
+        checksum: planned.checksum(),
+        bytes: planned.bytes(),
         source: chain.trainer_addr.clone(),
         holder: "trainer".into(),
     };
