@@ -361,6 +361,12 @@ def sync_results(measured: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "weight_sync_transport_while_filling_fraction_of_raw_chain": transport_median(
             measured, "while_filling_fraction_of_raw_relay_chain"
         ),
+        # And served from the tensors in place (no copy, each bucket hashed as it is sent), as a
+        # trainer serves it now.
+        "weight_sync_transport_in_place_seconds": transport_median(measured, "in_place_seconds_median"),
+        "weight_sync_transport_in_place_fraction_of_raw_chain": transport_median(
+            measured, "in_place_fraction_of_raw_relay_chain"
+        ),
     }
 
 

@@ -93,8 +93,10 @@ class Policy(Plugin):
 
     def weight_views(self) -> Mapping[str, np.ndarray] | Iterable[tuple[str, np.ndarray]]:
         """What ``export_weights`` returns, for the engine's weight sync: the arrays may be
-        read-only views of the live parameters, since the engine copies their bytes into its
-        buffers before it lets go of the result. Defaults to ``export_weights``.
+        read-only views of the live parameters. A trainer serving generation workers sends
+        their bytes from them in place, and copies them only before the next hook that may
+        change the weights (``apply_update``, ``load``, ``release_memory``), so change the
+        parameters in those hooks only. Defaults to ``export_weights``.
         """
         return self.export_weights()
 

@@ -23,6 +23,8 @@ def transport(chain_gbps: float, kept_gbps: float, seconds: float) -> dict[str, 
         "seconds_median": seconds,
         "while_filling_seconds_median": seconds * 1.25,
         "while_filling_fraction_of_raw_relay_chain": 0.64,
+        "in_place_seconds_median": seconds * 1.1,
+        "in_place_fraction_of_raw_relay_chain": 0.72,
         "fraction_of_loopback": 0.5,
         "fraction_of_raw_relay_chain": 0.8,
         "trainer_egress_per_model_bytes": 1.0,
@@ -60,6 +62,8 @@ def test_headline_figures_are_medians_over_each_worker_counts_rounds() -> None:
     assert results["weight_sync_transport_seconds"]["4"] == pytest.approx(0.05)
     assert results["weight_sync_transport_while_filling_seconds"]["4"] == pytest.approx(0.0625)
     assert results["weight_sync_transport_while_filling_fraction_of_raw_chain"]["1"] == pytest.approx(0.64)
+    assert results["weight_sync_transport_in_place_seconds"]["2"] == pytest.approx(0.055)
+    assert results["weight_sync_transport_in_place_fraction_of_raw_chain"]["4"] == pytest.approx(0.72)
     assert [m["fraction_of_raw_chain"] for m in measured[:3]] == pytest.approx([1.0, 0.5, 0.25])
 
 

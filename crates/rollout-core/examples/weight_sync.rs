@@ -1,7 +1,8 @@
 //! Benchmark of the weight-sync transport (bench/distributed.py runs it): one trainer store
 //! and N generation-worker stores in a relay chain over loopback TCP, against raw loopback
-//! TCP measured in the same run, each sync once with its version filled beforehand and once
-//! filled by the trainer's bucket copy while the workers pull it. Prints one JSON object.
+//! TCP measured in the same run, each sync once with its version filled beforehand, once
+//! filled by the trainer's bucket copy while the workers pull it, and once served from the
+//! tensors in place (no copy, hashed as sent). Prints one JSON object.
 //!
 //! Usage: weight_sync LAYOUT.json BUCKET_BYTES REPEATS WORKERS...
 //! where LAYOUT.json is `[["name", [shape...]], ...]` (float32 tensors).
@@ -13,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use bytes::{BufMut, Bytes, BytesMut};
 use rollout_core::cluster::buckets::PlannedVersion;
+use rollout_core::cluster::in_place::ServedInPlace;
 use rollout_core::cluster::weights::{VersionBuffer, WeightStore};
 use rollout_net::ClusterKey;
 use rollout_net::TensorBytes;
@@ -365,6 +367,44 @@ async fn sync_while_filling(
     seconds
 }
 
+/// One sync of `version` served from the tensors in place, as a trainer serves it: no copy,
+/// each bucket hashed as it is sent; then settled (copied for later pullers, outside the
+/// clock: a trainer does it before its next optimizer step). Returns the seconds until every
+/// worker has verified the version.
+async fn sync_in_place(
+    chain: &Chain,
+    key: &ClusterKey,
+    version: u64,
+    weights: &[TensorBytes],
+    bucket_bytes: u64,
+) -> f64 {
+    let planned = PlannedVersion::plan(version, bucket_bytes, views(weights)).unwrap();
+    let report = WeightsReport {
+        version,
+        checksum: planned.checksum(),
+        bytes: planned.bytes(),
+        source: chain.trainer_addr.clone(),
+        holder: "trainer".into(),
+    };
+    let allocations = chain.trainer.retire();
+    let started = Instant::now();
+    let lent = weights
+        .iter()
+        .map(|t| (t.name.clone(), t.dtype, t.shape.clone(), t.data.clone()));
+    let served = ServedInPlace::plan(version, bucket_bytes, lent, allocations).unwrap();
+    chain.trainer.publish(served.buffer().clone());
+    pull_along(chain, key, &report).await;
+    let seconds = started.elapsed().as_secs_f64();
+    assert_eq!(
+        served.buffer().sealed(Duration::from_secs(10)).await,
+        Some(report.checksum)
+    );
+    tokio::task::spawn_blocking(move || assert!(served.settle(Duration::from_secs(10))))
+        .await
+        .unwrap();
+    seconds
+}
+
 /// Has every worker of `chain` pull `report`'s version along the chain and verify it.
 async fn pull_along(chain: &Chain, key: &ClusterKey, report: &WeightsReport) {
     let Chain {
@@ -430,6 +470,7 @@ struct Samples {
     sync_seconds: Vec<f64>,
     sync_cpu_seconds: Vec<f64>,
     sync_while_filling_seconds: Vec<f64>,
+    sync_in_place_seconds: Vec<f64>,
     trainer_egress_bytes: u64,
 }
 
@@ -476,6 +517,10 @@ async fn measure(
         samples
             .sync_while_filling_seconds
             .push(sync_while_filling(&chain, key, *version, weights, bucket_bytes).await);
+        *version += 1;
+        samples
+            .sync_in_place_seconds
+            .push(sync_in_place(&chain, key, *version, weights, bucket_bytes).await);
     }
     samples
 }
@@ -491,10 +536,11 @@ impl Samples {
         let kept_chain = median(&mut self.raw_chain_kept);
         let bucketed_chain = median(&mut self.raw_chain_bucketed);
         let while_filling = median(&mut self.sync_while_filling_seconds);
+        let in_place = median(&mut self.sync_in_place_seconds);
         let median = median(&mut self.sync_seconds);
         let delivered = model_bytes as f64 / median;
         eprintln!(
-            "{count} workers: {median:.3} s per sync ({while_filling:.3} s filled while pulled), {:.2} GB/s to the last worker, {cpu_median:.3} CPU s; raw loopback {:.2} GB/s, raw relay chain {:.2} GB/s, {raw_chain_cpu_median:.3} CPU s, keeping the model's bytes {:.2} GB/s, relaying them in whole buckets {:.2} GB/s",
+            "{count} workers: {median:.3} s per sync ({while_filling:.3} s filled while pulled, {in_place:.3} s in place), {:.2} GB/s to the last worker, {cpu_median:.3} CPU s; raw loopback {:.2} GB/s, raw relay chain {:.2} GB/s, {raw_chain_cpu_median:.3} CPU s, keeping the model's bytes {:.2} GB/s, relaying them in whole buckets {:.2} GB/s",
             delivered / 1e9,
             raw / 1e9,
             raw_chain / 1e9,
@@ -516,6 +562,9 @@ impl Samples {
             "while_filling_seconds": self.sync_while_filling_seconds,
             "while_filling_seconds_median": while_filling,
             "while_filling_fraction_of_raw_relay_chain": model_bytes as f64 / while_filling / raw_chain,
+            "in_place_seconds": self.sync_in_place_seconds,
+            "in_place_seconds_median": in_place,
+            "in_place_fraction_of_raw_relay_chain": model_bytes as f64 / in_place / raw_chain,
             "raw_relay_chain_kept_bytes_per_second": kept_chain,
             "fraction_of_raw_relay_chain_kept": delivered / kept_chain,
             "raw_relay_chain_bucketed_bytes_per_second": bucketed_chain,

@@ -18,6 +18,12 @@ pub const MAGIC: [u8; 3] = *b"RLT";
 pub const VERSION: u8 = 1;
 /// Length of the fixed preamble before the header.
 pub const PREAMBLE_LEN: usize = 24;
+/// Preamble flag: the payload is followed by its XXH3-128 digest (16 bytes, big-endian),
+/// computed by the sender as it wrote the payload; the decoder checks it
+/// ([`FrameError::DigestMismatch`] otherwise). Every other flag is reserved.
+pub const DIGEST_TRAILER: u16 = 1;
+/// Length of the digest that follows a payload under [`DIGEST_TRAILER`].
+pub const DIGEST_LEN: usize = 16;
 /// Default [`FrameCodec::max_header_bytes`]: 16 MiB.
 pub const DEFAULT_MAX_HEADER_BYTES: u32 = 16 << 20;
 /// Default [`FrameCodec::max_payload_bytes`]: 64 GiB.
@@ -35,9 +41,12 @@ pub struct Frame {
     pub kind: MessageKind,
     pub header: Bytes,
     pub payload: Bytes,
-    /// The payload's XXH3-128, where the decoder hashed it as it arrived (large payloads);
-    /// see [`Frame::payload_checksum`].
+    /// The payload's XXH3-128, where the decoder hashed it as it arrived (large payloads,
+    /// and any payload the sender hashed); see [`Frame::payload_checksum`].
     pub payload_xxh3: Option<u128>,
+    /// Whether the sender's own digest of the payload came with it ([`DIGEST_TRAILER`]) and
+    /// matched `payload_xxh3`.
+    pub sender_hashed: bool,
 }
 
 /// Frames are equal when they carry the same message: the digest is a cache.
@@ -63,6 +72,7 @@ impl Frame {
             header: Bytes::from(header),
             payload,
             payload_xxh3: None,
+            sender_hashed: false,
         })
     }
 
@@ -126,8 +136,8 @@ pub struct FrameCodec {
     max_header_bytes: u32,
     max_payload_bytes: u64,
     pool: BufferPool,
-    /// The frame whose large payload is arriving: its kind and header.
-    arriving: Option<(MessageKind, Bytes, ArrivingPayload)>,
+    /// The frame whose large payload is arriving.
+    arriving: Option<Arriving>,
 }
 
 impl Default for FrameCodec {
@@ -167,7 +177,10 @@ impl FrameCodec {
     /// The large payload arriving now, if one is: [`crate::read::FrameReader`] reads the
     /// rest of it straight from the stream.
     pub(crate) fn arriving_payload(&mut self) -> Option<&mut ArrivingPayload> {
-        self.arriving.as_mut().map(|(_, _, payload)| payload)
+        self.arriving
+            .as_mut()
+            .map(|arriving| &mut arriving.payload)
+            .filter(|payload| payload.missing() > 0)
     }
 
     pub fn max_header_bytes(&self) -> u32 {
@@ -214,6 +227,8 @@ struct Preamble {
     kind: MessageKind,
     header_len: u32,
     payload_len: u64,
+    /// [`DIGEST_TRAILER`]: the sender's digest follows the payload.
+    trailer: bool,
 }
 
 impl Preamble {
@@ -233,7 +248,7 @@ impl Preamble {
         let kind = buf.get_u16();
         let kind = MessageKind::from_u16(kind).ok_or(FrameError::UnknownKind(kind))?;
         let flags = buf.get_u16();
-        if flags != 0 {
+        if flags & !DIGEST_TRAILER != 0 {
             return Err(FrameError::ReservedFlags(flags));
         }
         let header_len = buf.get_u32();
@@ -246,6 +261,7 @@ impl Preamble {
             kind,
             header_len,
             payload_len,
+            trailer: flags & DIGEST_TRAILER != 0,
         })
     }
 
@@ -253,7 +269,7 @@ impl Preamble {
         dst.put_slice(&MAGIC);
         dst.put_u8(VERSION);
         dst.put_u16(self.kind.as_u16());
-        dst.put_u16(0); // flags
+        dst.put_u16(if self.trailer { DIGEST_TRAILER } else { 0 });
         dst.put_u32(self.header_len);
         dst.put_u32(0); // reserved
         dst.put_u64(self.payload_len);
@@ -261,32 +277,43 @@ impl Preamble {
 }
 
 impl FrameCodec {
-    /// Takes what `src` holds of the arriving large payload; the frame once it is whole.
+    /// Takes what `src` holds of the arriving large payload (and of its digest); the frame
+    /// once it is whole.
     fn continue_payload(
         &mut self,
-        kind: MessageKind,
-        header: Bytes,
-        mut payload: ArrivingPayload,
+        mut arriving: Arriving,
         src: &mut BytesMut,
-    ) -> Option<Frame> {
-        payload.take_from(src);
-        if payload.missing() > 0 {
-            self.arriving = Some((kind, header, payload));
-            return None;
+    ) -> Result<Option<Frame>, FrameError> {
+        arriving.payload.take_from(src);
+        let trailer = if arriving.trailer { DIGEST_LEN } else { 0 };
+        if arriving.payload.missing() > 0 || src.len() < trailer {
+            self.arriving = Some(arriving);
+            return Ok(None);
         }
+        let Arriving {
+            kind,
+            header,
+            payload,
+            trailer,
+        } = arriving;
         let (payload, digest) = payload.finish();
-        Some(Frame {
+        let sender_hashed = trailer;
+        if trailer {
+            check_digest(kind, digest, src.split_to(DIGEST_LEN).as_ref())?;
+        }
+        Ok(Some(Frame {
             kind,
             header,
             payload,
             payload_xxh3: Some(digest),
-        })
+            sender_hashed,
+        }))
     }
 
     /// Once the header is in, a large payload is read into a pooled buffer instead of `src`.
     fn start_pooled_payload(
         &mut self,
-        kind: MessageKind,
+        preamble: &Preamble,
         sizes: FrameSizes,
         src: &mut BytesMut,
     ) -> Result<Option<Frame>, FrameError> {
@@ -299,9 +326,33 @@ impl FrameCodec {
         // Copied, so the read buffer stays this codec's alone and is reused.
         let header = Bytes::copy_from_slice(&src[..sizes.header]);
         src.advance(sizes.header);
-        let payload = ArrivingPayload::start(sizes.payload, &self.pool);
-        self.arriving = Some((kind, header, payload));
+        self.arriving = Some(Arriving {
+            kind: preamble.kind,
+            header,
+            payload: ArrivingPayload::start(sizes.payload, &self.pool),
+            trailer: preamble.trailer,
+        });
         self.decode(src)
+    }
+}
+
+/// A frame whose large payload is arriving: its kind, header, the payload so far, and
+/// whether its sender's digest follows it.
+#[derive(Debug, Clone)]
+struct Arriving {
+    kind: MessageKind,
+    header: Bytes,
+    payload: ArrivingPayload,
+    trailer: bool,
+}
+
+/// Checks the digest a sender wrote after a payload against the one computed on arrival.
+fn check_digest(kind: MessageKind, found: u128, sent: &[u8]) -> Result<(), FrameError> {
+    let sent = <[u8; DIGEST_LEN]>::try_from(sent).map_or(0, u128::from_be_bytes);
+    if sent == found {
+        Ok(())
+    } else {
+        Err(FrameError::DigestMismatch { kind, sent, found })
     }
 }
 
@@ -322,9 +373,11 @@ impl FrameSizes {
         };
         let header = usize::try_from(preamble.header_len).map_err(|_| too_large())?;
         let payload = usize::try_from(preamble.payload_len).map_err(|_| too_large())?;
+        let trailer = if preamble.trailer { DIGEST_LEN } else { 0 };
         let frame = PREAMBLE_LEN
             .checked_add(header)
             .and_then(|head| head.checked_add(payload))
+            .and_then(|frame| frame.checked_add(trailer))
             .ok_or_else(too_large)?;
         Ok(Self {
             header,
@@ -339,8 +392,8 @@ impl Decoder for FrameCodec {
     type Error = FrameError;
 
     fn decode(&mut self, src: &mut BytesMut) -> Result<Option<Frame>, FrameError> {
-        if let Some((kind, header, payload)) = self.arriving.take() {
-            return Ok(self.continue_payload(kind, header, payload, src));
+        if let Some(arriving) = self.arriving.take() {
+            return self.continue_payload(arriving, src);
         }
         let Some(preamble) = src.first_chunk::<PREAMBLE_LEN>() else {
             // Reject a peer that speaks another protocol without waiting for 24 bytes.
@@ -360,7 +413,7 @@ impl Decoder for FrameCodec {
         )?;
         let sizes = FrameSizes::of(&preamble)?;
         if sizes.payload >= POOLED_PAYLOAD_BYTES {
-            return self.start_pooled_payload(preamble.kind, sizes, src);
+            return self.start_pooled_payload(&preamble, sizes, src);
         }
         if src.len() < sizes.frame {
             make_room(src, sizes.frame);
@@ -369,11 +422,19 @@ impl Decoder for FrameCodec {
         let mut frame = src.split_to(sizes.frame).freeze();
         frame.advance(PREAMBLE_LEN);
         let header = frame.split_to(sizes.header);
+        let payload = frame.split_to(sizes.payload);
+        let mut digest = None;
+        if preamble.trailer {
+            let found = twox_hash::XxHash3_128::oneshot(&payload);
+            check_digest(preamble.kind, found, &frame)?;
+            digest = Some(found);
+        }
         Ok(Some(Frame {
             kind: preamble.kind,
             header,
-            payload: frame,
-            payload_xxh3: None,
+            payload,
+            payload_xxh3: digest,
+            sender_hashed: preamble.trailer,
         }))
     }
 
@@ -383,10 +444,9 @@ impl Decoder for FrameCodec {
             None if src.is_empty() && self.arriving.is_none() => Ok(None),
             None => Err(FrameError::Truncated {
                 buffered: src.len()
-                    + self
-                        .arriving
-                        .as_ref()
-                        .map_or(0, |(_, header, payload)| header.len() + payload.received()),
+                    + self.arriving.as_ref().map_or(0, |arriving| {
+                        arriving.header.len() + arriving.payload.received()
+                    }),
             }),
         }
     }
@@ -413,24 +473,49 @@ impl FrameCodec {
     /// Writes a frame's preamble and header (not its payload) to `dst`, after checking both
     /// lengths: for writers that send a large payload straight from its buffer.
     pub fn encode_head(&self, frame: &Frame, dst: &mut BytesMut) -> Result<(), FrameError> {
-        let header_len = frame.header.len() as u64;
-        let payload_len = frame.payload.len() as u64;
-        self.check_lengths(frame.kind, header_len, payload_len)?;
-        let header_len = u32::try_from(header_len).map_err(|_| FrameError::HeaderTooLarge {
+        let head = OutgoingHead {
             kind: frame.kind,
+            header: &frame.header,
+            payload_len: frame.payload.len() as u64,
+            trailer: false,
+        };
+        self.encode_outgoing_head(&head, dst)
+    }
+
+    /// Writes the preamble and header of a frame whose payload (`head.payload_len` bytes,
+    /// followed by its digest where `head.trailer`) the caller writes after them.
+    pub(crate) fn encode_outgoing_head(
+        &self,
+        head: &OutgoingHead<'_>,
+        dst: &mut BytesMut,
+    ) -> Result<(), FrameError> {
+        let header_len = head.header.len() as u64;
+        self.check_lengths(head.kind, header_len, head.payload_len)?;
+        let header_len = u32::try_from(header_len).map_err(|_| FrameError::HeaderTooLarge {
+            kind: head.kind,
             len: header_len,
             max: u64::from(u32::MAX),
         })?;
-        dst.reserve(PREAMBLE_LEN.saturating_add(frame.header.len()));
+        dst.reserve(PREAMBLE_LEN.saturating_add(head.header.len()));
         Preamble {
-            kind: frame.kind,
+            kind: head.kind,
             header_len,
-            payload_len,
+            payload_len: head.payload_len,
+            trailer: head.trailer,
         }
         .write(dst);
-        dst.extend_from_slice(&frame.header);
+        dst.extend_from_slice(head.header);
         Ok(())
     }
+}
+
+/// The start of a frame being written: its kind, header, payload length, and whether the
+/// payload's digest follows it ([`DIGEST_TRAILER`]).
+pub(crate) struct OutgoingHead<'a> {
+    pub kind: MessageKind,
+    pub header: &'a [u8],
+    pub payload_len: u64,
+    pub trailer: bool,
 }
 
 impl Encoder<Frame> for FrameCodec {
@@ -483,6 +568,12 @@ pub enum FrameError {
     EncodeHeader {
         kind: MessageKind,
         source: serde_json::Error,
+    },
+    #[error("{kind} payload arrived with digest {found:032x}, but its sender wrote {sent:032x}")]
+    DigestMismatch {
+        kind: MessageKind,
+        sent: u128,
+        found: u128,
     },
     #[error("connection closed in the middle of a frame ({buffered} bytes buffered)")]
     Truncated { buffered: usize },

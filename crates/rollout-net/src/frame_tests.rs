@@ -229,7 +229,11 @@ fn a_large_payload_grows_its_buffer_a_logarithmic_number_of_times() {
     let (mut grown, mut capacity) = (0, 0);
     for _ in 0..payload / chunk.len() {
         assert_eq!(codec.decode(&mut buf).unwrap(), None);
-        let (_, _, arriving) = codec.arriving.as_ref().expect("a payload under way");
+        let arriving = &codec
+            .arriving
+            .as_ref()
+            .expect("a payload under way")
+            .payload;
         if arriving.capacity() != capacity {
             grown += 1;
             capacity = arriving.capacity();
@@ -355,6 +359,7 @@ fn header_errors() {
         header: Bytes::from_static(b"{not json"),
         payload: Bytes::new(),
         payload_xxh3: None,
+        sender_hashed: false,
     };
     let err = frame.decode_message::<Hello>().unwrap_err();
     assert!(matches!(err, FrameError::InvalidHeader { .. }), "{err}");
@@ -368,6 +373,7 @@ fn header_errors() {
         header: Bytes::from_static(b"{\"role\":\"\xff\xfe\",\"name\":\"a\",\"version\":\"1\"}"),
         payload: Bytes::new(),
         payload_xxh3: None,
+        sender_hashed: false,
     };
     let err = frame.decode_message::<Hello>().unwrap_err();
     assert!(
@@ -389,4 +395,78 @@ fn encode_header_error_is_typed() {
     let map = std::collections::BTreeMap::from([((1, 2), 3)]);
     let err = Frame::encode_message(MessageKind::Hello, &map, Bytes::new()).unwrap_err();
     assert!(matches!(err, FrameError::EncodeHeader { .. }), "{err}");
+}
+
+/// A frame as a sender writes it under [`DIGEST_TRAILER`]: `digest` after the payload.
+fn with_trailer(kind: MessageKind, header: &[u8], payload: &[u8], digest: u128) -> BytesMut {
+    let mut buf = preamble(
+        VERSION,
+        kind.as_u16(),
+        DIGEST_TRAILER,
+        header.len() as u32,
+        payload.len() as u64,
+    );
+    buf.extend_from_slice(header);
+    buf.extend_from_slice(payload);
+    buf.extend_from_slice(&digest.to_be_bytes());
+    buf
+}
+
+/// The sender's digest after a payload, small or large, is checked however the bytes are
+/// cut, and the frame says the sender hashed it; the next frame still decodes after it.
+#[test]
+fn a_senders_digest_after_the_payload_is_checked_in_any_chunks() {
+    let small = Frame::from_message(&hello(), Bytes::new()).unwrap();
+    for len in [0, 100, 200_000] {
+        let payload: Vec<u8> = (0..len as u32).map(|i| (i % 241) as u8).collect();
+        let digest = twox_hash::XxHash3_128::oneshot(&payload);
+        let mut wire = with_trailer(MessageKind::WeightsBucket, b"\"bucket\"", &payload, digest);
+        wire.extend_from_slice(&encode(small.clone()));
+        for chunk in [1, 7, 1000, 65_536, wire.len()] {
+            let mut codec = FrameCodec::new();
+            let mut buf = BytesMut::new();
+            let mut decoded = Vec::new();
+            for piece in wire.chunks(chunk) {
+                buf.extend_from_slice(piece);
+                while let Some(frame) = codec.decode(&mut buf).unwrap() {
+                    decoded.push(frame);
+                }
+            }
+            assert_eq!(decoded.len(), 2, "{len} bytes in chunks of {chunk}");
+            assert_eq!(&decoded[0].payload[..], &payload[..]);
+            assert_eq!(decoded[0].payload_xxh3, Some(digest));
+            assert!(decoded[0].sender_hashed);
+            assert_eq!(decoded[1], small);
+            assert!(!decoded[1].sender_hashed);
+        }
+    }
+}
+
+#[test]
+fn a_payload_that_does_not_match_its_senders_digest_is_rejected() {
+    for len in [10, 200_000] {
+        let payload = vec![5u8; len];
+        let wrong = twox_hash::XxHash3_128::oneshot(&payload) ^ 1;
+        let mut codec = FrameCodec::new();
+        let mut buf = with_trailer(MessageKind::WeightsBucket, b"\"bucket\"", &payload, wrong);
+        let err = codec
+            .decode(&mut buf)
+            .expect_err("a corrupt payload was accepted");
+        assert!(matches!(err, FrameError::DigestMismatch { .. }), "{err}");
+    }
+}
+
+/// The stream ending between a payload and its digest is a truncated frame.
+#[test]
+fn a_stream_cut_before_the_digest_is_truncated() {
+    let payload = vec![9u8; 200_000];
+    let digest = twox_hash::XxHash3_128::oneshot(&payload);
+    let wire = with_trailer(MessageKind::WeightsBucket, b"\"bucket\"", &payload, digest);
+    let mut buf = BytesMut::from(&wire[..wire.len() - 3]);
+    let mut codec = FrameCodec::new();
+    assert_eq!(codec.decode(&mut buf).unwrap(), None);
+    assert!(matches!(
+        codec.decode_eof(&mut buf),
+        Err(FrameError::Truncated { .. })
+    ));
 }

@@ -23,12 +23,13 @@
 //! | 0..3  | magic         | `[u8;3]` | `b"RLT"`                                             |
 //! | 3     | version       | `u8`     | protocol version, [`frame::VERSION`] (1)             |
 //! | 4..6  | kind          | `u16`    | [`MessageKind`]; unknown numbers are rejected        |
-//! | 6..8  | flags         | `u16`    | reserved, must be 0                                  |
+//! | 6..8  | flags         | `u16`    | bit 0: [`frame::DIGEST_TRAILER`]; others must be 0   |
 //! | 8..12 | header_len    | `u32`    | length of the JSON header                            |
 //! | 12..16| reserved      | `u32`    | must be 0 (keeps `payload_len` 8-byte aligned)       |
 //! | 16..24| payload_len   | `u64`    | length of the raw payload                            |
 //! | 24..  | header        | JSON     | the message, UTF-8 `serde_json`                      |
 //! | ..    | payload       | bytes    | bulk data, e.g. tensors described by the header      |
+//! | ..    | digest        | `u128`   | with bit 0 of flags only: the payload's XXH3-128     |
 //!
 //! The decoder checks the whole preamble, including both lengths against its limits
 //! ([`FrameCodec::with_max_header_bytes`], [`FrameCodec::with_max_payload_bytes`]), before

@@ -3,14 +3,15 @@
 //! frames for one call (weight buckets); heartbeats both ways, a peer timeout, and credits
 //! (requests the server accepts before the client waits).
 
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncWriteExt, ReadHalf, WriteHalf};
 use tokio_util::codec::Framed;
+use twox_hash::XxHash3_128;
 
-use crate::frame::{Frame, FrameCodec, FrameError};
+use crate::frame::{Frame, FrameCodec, FrameError, OutgoingHead};
 use crate::link::Link;
-use crate::messages::Message;
+use crate::messages::{Message, MessageKind};
 use crate::read::FrameReader;
 use crate::tls::Stream as LinkStream;
 use client::start_client;
@@ -79,7 +80,16 @@ struct Sink {
     stream: WriteHalf<LinkStream>,
     codec: FrameCodec,
     head: BytesMut,
+    /// Small pieces of a hashed payload, gathered into one write.
+    gathered: BytesMut,
 }
+
+/// Pieces of a hashed payload shorter than this are gathered into one write.
+const GATHER_BELOW: usize = 16 << 10;
+
+/// A hashed payload is written, and hashed after the kernel has read it (so from cache),
+/// this many bytes at a time.
+const HASHED_WRITE_BYTES: usize = 256 << 10;
 
 impl Sink {
     async fn send(&mut self, frame: Frame) -> Result<(), FrameError> {
@@ -89,6 +99,52 @@ impl Sink {
         if !frame.payload.is_empty() {
             self.stream.write_all(&frame.payload).await?;
         }
+        self.flush().await
+    }
+
+    /// Writes `frame`, its payload `pieces` back to back, hashed as they are written and
+    /// followed by their digest ([`crate::frame::DIGEST_TRAILER`]), which `frame.written`
+    /// is then given.
+    async fn send_hashed(&mut self, frame: HashedFrame) -> Result<(), FrameError> {
+        self.head.clear();
+        let head = OutgoingHead {
+            kind: frame.kind,
+            header: &frame.header,
+            payload_len: frame.pieces.iter().map(|piece| piece.len() as u64).sum(),
+            trailer: true,
+        };
+        self.codec.encode_outgoing_head(&head, &mut self.head)?;
+        self.stream.write_all(&self.head).await?;
+        let mut hasher = XxHash3_128::new();
+        for piece in &frame.pieces {
+            if piece.len() < GATHER_BELOW {
+                hasher.write(piece);
+                self.gathered.extend_from_slice(piece);
+                continue;
+            }
+            self.write_gathered().await?;
+            for stretch in piece.chunks(HASHED_WRITE_BYTES) {
+                self.stream.write_all(stretch).await?;
+                hasher.write(stretch);
+            }
+        }
+        self.write_gathered().await?;
+        let digest = hasher.finish_128();
+        self.stream.write_all(&digest.to_be_bytes()).await?;
+        self.flush().await?;
+        (frame.written)(digest);
+        Ok(())
+    }
+
+    async fn write_gathered(&mut self) -> Result<(), FrameError> {
+        if !self.gathered.is_empty() {
+            self.stream.write_all(&self.gathered).await?;
+            self.gathered.clear();
+        }
+        Ok(())
+    }
+
+    async fn flush(&mut self) -> Result<(), FrameError> {
         // TLS holds records back until flushed: without this a frame could wait for the
         // next one (the next heartbeat, seconds later).
         self.stream.flush().await?;
@@ -99,6 +155,16 @@ impl Sink {
         self.stream.shutdown().await?;
         Ok(())
     }
+}
+
+/// A frame whose payload is sent from several buffers back to back (a weight bucket served
+/// from a model's tensors in place), hashed as it is written; `written` gets the digest
+/// once the whole frame is out.
+pub(crate) struct HashedFrame {
+    kind: MessageKind,
+    header: Bytes,
+    pieces: Vec<Bytes>,
+    written: Box<dyn FnOnce(u128) + Send>,
 }
 
 /// Splits a link's framed stream into its reading and writing halves, keeping what the
@@ -115,6 +181,7 @@ fn split(framed: Framed<LinkStream, FrameCodec>) -> (Sink, Stream) {
         stream: write,
         codec,
         head: BytesMut::new(),
+        gathered: BytesMut::new(),
     };
     (sink, FrameReader::new(read, parts.codec, parts.read_buf))
 }

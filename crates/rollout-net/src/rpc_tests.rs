@@ -121,7 +121,68 @@ fn the_envelope_prefix_reads_like_the_full_parse() {
         header: Bytes::from_static(b"{\"more\":true,\"call\":3,\"body\":{}}"),
         payload: Bytes::new(),
         payload_xxh3: None,
+        sender_hashed: false,
     };
     let head = EnvelopeHead::read(&frame).unwrap();
     assert_eq!((head.call, head.more), (3, true));
+}
+
+/// A hashed answer arrives as its pieces joined, with the sender's digest checked, and the
+/// digest the sender reports once it is written is the payload's.
+#[tokio::test]
+async fn a_hashed_answer_arrives_joined_and_reports_its_digest() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let client = tokio::net::TcpStream::connect(listener.local_addr().unwrap())
+        .await
+        .unwrap();
+    let (accepted, _) = listener.accept().await.unwrap();
+    let parts = tokio_util::codec::FramedParts::new(LinkStream::Plain(accepted), FrameCodec::new());
+    let limits = LinkLimits {
+        heartbeat: Duration::from_secs(3600),
+        ..LinkLimits::default()
+    };
+    let hello = Hello {
+        role: "test".into(),
+        name: "test".into(),
+        version: "test".into(),
+        credits: 4,
+        info: serde_json::Value::Null,
+    };
+    let server = start_server(Framed::from_parts(parts), "peer".into(), hello, &limits);
+    let large: Vec<u8> = (0..700_000u32).map(|i| (i % 239) as u8).collect();
+    let pieces = vec![
+        Bytes::from_static(b"tiny"),
+        Bytes::from(large.clone()),
+        Bytes::from_static(&[0; 3]),
+        Bytes::from_static(b"end"),
+    ];
+    let joined: Vec<u8> = pieces.iter().flat_map(|p| p.iter().copied()).collect();
+    let (written, reported) = tokio::sync::oneshot::channel();
+    let bucket = crate::messages::WeightsBucket {
+        version: 1,
+        index: 0,
+        count: 1,
+        checksum: String::new(),
+        tensors: crate::tensor::TensorTable::default(),
+    };
+    server
+        .responder
+        .reply_hashed(3, &bucket.clone(), pieces, false, move |digest| {
+            let _ = written.send(digest);
+        })
+        .unwrap();
+    let parts = tokio_util::codec::FramedParts::new(LinkStream::Plain(client), FrameCodec::new());
+    let (_sink, mut stream) = split(Framed::from_parts(parts));
+    let received = tokio::time::timeout(Duration::from_secs(5), stream.next())
+        .await
+        .expect("the answer arrived")
+        .unwrap()
+        .unwrap();
+    let expected = twox_hash::XxHash3_128::oneshot(&joined);
+    assert_eq!(&received.payload[..], &joined[..]);
+    assert!(received.sender_hashed);
+    assert_eq!(received.payload_xxh3, Some(expected));
+    let envelope = decode_envelope::<crate::messages::WeightsBucket>(&received).unwrap();
+    assert_eq!((envelope.call, envelope.body), (3, bucket));
+    assert_eq!(reported.await.unwrap(), expected);
 }

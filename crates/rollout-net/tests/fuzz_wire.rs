@@ -220,6 +220,7 @@ fn claims_cost_at_most_the_max_frame_size_after_other_frames() {
         header: Bytes::from_static(b"{\"seq\":1}"),
         payload: Bytes::from(vec![7; MAX_PAYLOAD_BYTES as usize - 1000]),
         payload_xxh3: None,
+        sender_hashed: false,
     };
     let mut wire = BytesMut::new();
     FIXTURE.codec.clone().encode(big, &mut wire).unwrap();

@@ -19,7 +19,7 @@ use rollout_net::tensor::{
     Dtype, TENSOR_ALIGN, TensorBytes, TensorError, TensorMeta, TensorTable, checksum,
 };
 
-use super::weights::{Bucket, VersionBuffer, VersionHasher, WeightsError};
+use super::weights::{Bucket, Payload, VersionBuffer, VersionHasher, WeightsError};
 
 /// A version a trainer exported: its size, its checksum (`None` while the buffer is still
 /// being filled: [`VersionBuffer::sealed`] has it then) and, when it serves the version, the
@@ -32,16 +32,35 @@ pub struct ExportedVersion {
     pub buffer: Option<Arc<VersionBuffer>>,
 }
 
+/// How a trainer serves the version it exports, with an earlier version's bucket
+/// allocations to write into.
+#[derive(Debug)]
+pub enum Serving {
+    /// Buckets copied from the tensors (a generator in the same process views them).
+    Copied(Vec<Vec<u8>>),
+    /// Buckets sent from the tensors in place while they hold still, copied only before
+    /// they change (see [`super::in_place`]).
+    InPlace(Vec<Vec<u8>>),
+}
+
+impl Serving {
+    pub fn into_allocations(self) -> Vec<Vec<u8>> {
+        match self {
+            Serving::Copied(allocations) | Serving::InPlace(allocations) => allocations,
+        }
+    }
+}
+
 /// Where bytes `range` of a tensor go: bucket `bucket`, from byte `offset` of its payload.
 #[derive(Debug, Clone, PartialEq, Eq)]
-struct Placement {
-    bucket: usize,
-    offset: usize,
-    range: Range<usize>,
+pub(super) struct Placement {
+    pub(super) bucket: usize,
+    pub(super) offset: usize,
+    pub(super) range: Range<usize>,
 }
 
 /// The tables of a version's buckets, built as tensors are added.
-struct BucketLayout {
+pub(super) struct BucketLayout {
     bucket_bytes: usize,
     /// The tables so far; the last one is the open bucket's.
     tables: Vec<TensorTable>,
@@ -51,7 +70,7 @@ struct BucketLayout {
 }
 
 impl BucketLayout {
-    fn new(bucket_bytes: u64) -> Self {
+    pub(super) fn new(bucket_bytes: u64) -> Self {
         Self {
             bucket_bytes: usize::try_from(bucket_bytes.max(1)).unwrap_or(usize::MAX),
             tables: vec![TensorTable::default()],
@@ -70,7 +89,7 @@ impl BucketLayout {
     }
 
     /// Places a tensor of `len` bytes and returns where its bytes go, in order.
-    fn add(
+    pub(super) fn add(
         &mut self,
         name: &str,
         dtype: Dtype,
@@ -142,7 +161,7 @@ impl BucketLayout {
 
     /// The buckets' tables and payload lengths (one empty bucket for a model without
     /// tensors).
-    fn finish(&mut self) -> (Vec<TensorTable>, Vec<usize>) {
+    pub(super) fn finish(&mut self) -> (Vec<TensorTable>, Vec<usize>) {
         if self.open_is_empty() && self.tables.len() > 1 {
             self.tables.pop();
             self.lens.pop();
@@ -160,7 +179,7 @@ fn write_at(payload: &mut Vec<u8>, offset: usize, bytes: &[u8]) {
     payload.extend_from_slice(bytes);
 }
 
-fn allocation(allocations: &mut Vec<Vec<u8>>, bucket_bytes: usize) -> Vec<u8> {
+pub(super) fn allocation(allocations: &mut Vec<Vec<u8>>, bucket_bytes: usize) -> Vec<u8> {
     match allocations.pop() {
         Some(mut reused) => {
             reused.clear();
@@ -172,7 +191,11 @@ fn allocation(allocations: &mut Vec<Vec<u8>>, bucket_bytes: usize) -> Vec<u8> {
     }
 }
 
-fn headers(version: u64, tables: Vec<TensorTable>, checksums: Vec<String>) -> Vec<WeightsBucket> {
+pub(super) fn headers(
+    version: u64,
+    tables: Vec<TensorTable>,
+    checksums: Vec<String>,
+) -> Vec<WeightsBucket> {
     let count = tables.len() as u32;
     tables
         .into_iter()
@@ -249,7 +272,10 @@ impl VersionBuilder {
             .into_iter()
             .zip(payloads)
         {
-            buffer.push(Bucket { header, payload });
+            buffer.push(Bucket {
+                header,
+                payload: Payload::Owned(payload),
+            });
         }
         buffer
     }
@@ -348,7 +374,7 @@ impl<'a> PlannedVersion<'a> {
                     checksum,
                     tensors,
                 },
-                payload: Bytes::from(payload),
+                payload: Payload::Owned(Bytes::from(payload)),
             });
         }
     }

@@ -1,9 +1,10 @@
 //! The controller's half of a distributed run: the generation pool ([`pool`]) that leases
 //! prompt groups to remote workers and journals them ([`ledger`]), the remote trainer ranks
 //! ([`remote`]), and weight versions cut into checksummed buckets, served and relayed
-//! ([`weights`]). The processes on the other end live in the `rollout` binary.
+//! ([`weights`]), from a trainer's tensors in place where it can ([`in_place`]). The processes on the other end live in the `rollout` binary.
 
 pub mod buckets;
+pub mod in_place;
 pub mod ledger;
 pub mod pool;
 pub mod remote;

@@ -77,7 +77,45 @@ pub enum WeightsError {
 #[derive(Debug, Clone)]
 pub struct Bucket {
     pub header: WeightsBucket,
-    pub payload: Bytes,
+    pub payload: Payload,
+}
+
+/// A bucket's bytes: a buffer of its own, or pieces viewing a trainer's tensors in place
+/// (see [`crate::cluster::in_place`]), sent back to back and hashed as they are written; its
+/// header's checksum is empty until the first send (or the trainer) has hashed them.
+#[derive(Debug, Clone)]
+pub enum Payload {
+    Owned(Bytes),
+    InPlace(Arc<[Bytes]>),
+}
+
+impl Payload {
+    pub fn len(&self) -> usize {
+        match self {
+            Payload::Owned(bytes) => bytes.len(),
+            Payload::InPlace(pieces) => pieces.iter().map(Bytes::len).sum(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The buffer of an owned payload.
+    pub fn owned(&self) -> Option<&Bytes> {
+        match self {
+            Payload::Owned(bytes) => Some(bytes),
+            Payload::InPlace(_) => None,
+        }
+    }
+
+    /// The payload in one buffer (pieces are joined into a new one).
+    fn contiguous(&self) -> Bytes {
+        match self {
+            Payload::Owned(bytes) => bytes.clone(),
+            Payload::InPlace(pieces) => Bytes::from(pieces.concat()),
+        }
+    }
 }
 
 /// One weight version, filled bucket by bucket (all at once on a trainer; as they arrive on
@@ -88,6 +126,8 @@ pub struct VersionBuffer {
     pub count: u32,
     buckets: std::sync::Mutex<Vec<Bucket>>,
     arrived: watch::Sender<u32>,
+    /// How many buckets' checksums are known (see [`Payload::InPlace`]).
+    hashed: watch::Sender<u32>,
 }
 
 impl VersionBuffer {
@@ -98,6 +138,7 @@ impl VersionBuffer {
             // Not sized from `count`: a peer's claim is no reason to allocate.
             buckets: std::sync::Mutex::new(Vec::new()),
             arrived: watch::channel(0).0,
+            hashed: watch::channel(0).0,
         }
     }
 
@@ -107,12 +148,16 @@ impl VersionBuffer {
         let buckets = self.buckets.into_inner().unwrap_or_default();
         buckets
             .into_iter()
-            .filter_map(|bucket| bucket.payload.try_into_mut().ok())
+            .filter_map(|bucket| match bucket.payload {
+                Payload::Owned(bytes) => bytes.try_into_mut().ok(),
+                Payload::InPlace(_) => None,
+            })
             .map(Vec::from)
             .collect()
     }
 
     pub(super) fn push(&self, bucket: Bucket) {
+        let hashed = !bucket.header.checksum.is_empty();
         let arrived = match self.buckets.lock() {
             Ok(mut buckets) => {
                 buckets.push(bucket);
@@ -120,7 +165,43 @@ impl VersionBuffer {
             }
             Err(_) => return,
         };
+        if hashed {
+            self.hashed.send_modify(|count| *count += 1);
+        }
         self.arrived.send_replace(arrived);
+    }
+
+    /// Records the checksum of bucket `index`, hashed as it was sent or copied, unless one
+    /// is known already; returns the one known before, if any.
+    pub(super) fn record_checksum(&self, index: u32, digest: u128) -> Option<String> {
+        let known = {
+            let mut buckets = self.buckets.lock().ok()?;
+            let header = &mut buckets.get_mut(index as usize)?.header;
+            if header.checksum.is_empty() {
+                header.checksum = format!("{digest:032x}");
+                None
+            } else {
+                Some(header.checksum.clone())
+            }
+        };
+        if known.is_none() {
+            self.hashed.send_modify(|count| *count += 1);
+        }
+        known
+    }
+
+    /// Replaces the payload of bucket `index` with `payload`.
+    pub(super) fn replace_payload(&self, index: u32, payload: Payload) {
+        if let Ok(mut buckets) = self.buckets.lock()
+            && let Some(bucket) = buckets.get_mut(index as usize)
+        {
+            bucket.payload = payload;
+        }
+    }
+
+    /// Whether every bucket's checksum is known.
+    pub(super) fn is_hashed(&self) -> bool {
+        *self.hashed.borrow() >= self.count
     }
 
     pub(super) fn bucket(&self, index: u32) -> Option<Bucket> {
@@ -140,12 +221,13 @@ impl VersionBuffer {
         }
     }
 
-    /// The version checksum once every bucket is in (a version being filled is sealed by
-    /// its last bucket); `None` if that takes longer than `limit`.
+    /// The version checksum once every bucket is in and hashed (a version being filled is
+    /// sealed by its last bucket, one served in place by the last bucket's first send);
+    /// `None` if that takes longer than `limit`.
     pub async fn sealed(&self, limit: Duration) -> Option<String> {
-        let mut arrived = self.arrived.subscribe();
+        let mut hashed = self.hashed.subscribe();
         let count = self.count;
-        let whole = tokio::time::timeout(limit, arrived.wait_for(|&n| n >= count)).await;
+        let whole = tokio::time::timeout(limit, hashed.wait_for(|&n| n >= count)).await;
         matches!(whole, Ok(Ok(_))).then(|| self.checksum())
     }
 
@@ -210,10 +292,11 @@ struct TensorAssembler {
 impl TensorAssembler {
     /// The tensors `bucket` completes.
     fn add(&mut self, bucket: &Bucket) -> Result<Vec<TensorBytes>, WeightsError> {
+        let payload = bucket.payload.contiguous();
         let mut tensors = Vec::new();
         for meta in &bucket.header.tensors.tensors {
             let start = meta.offset as usize;
-            let bytes = bucket.payload.slice(start..start + meta.len as usize);
+            let bytes = payload.slice(start..start + meta.len as usize);
             if self.joining.is_none() && meta.piece_start.is_none() {
                 tensors.push(TensorBytes::new(
                     meta.name.clone(),
@@ -427,7 +510,26 @@ impl WeightStore {
             let more = index + 1 < buffer.count;
             self.sent_bytes
                 .fetch_add(bucket.payload.len() as u64, Ordering::Relaxed);
-            responder.reply(incoming.call, &bucket.header, bucket.payload, more)?;
+            match bucket.payload {
+                Payload::Owned(payload) => {
+                    responder.reply(incoming.call, &bucket.header, payload, more)?;
+                }
+                Payload::InPlace(pieces) => {
+                    let hashed = Arc::downgrade(&buffer);
+                    let record = move |digest| {
+                        if let Some(buffer) = hashed.upgrade() {
+                            buffer.record_checksum(index, digest);
+                        }
+                    };
+                    responder.reply_hashed(
+                        incoming.call,
+                        &bucket.header,
+                        pieces.to_vec(),
+                        more,
+                        record,
+                    )?;
+                }
+            }
         }
         Ok(())
     }
@@ -453,7 +555,12 @@ impl WeightStore {
         while let Some(frame) = call.next_frame().await? {
             // Hashed by the decoder as the bytes arrived: no second pass over the payload.
             let found = frame.payload_checksum();
-            let (header, more, payload) = call.decode::<WeightsBucket>(frame)?;
+            let sender_hashed = frame.sender_hashed;
+            let (mut header, more, payload) = call.decode::<WeightsBucket>(frame)?;
+            if header.checksum.is_empty() && sender_hashed {
+                // Served in place: the sender hashed it as it wrote it, the decoder checked.
+                header.checksum.clone_from(&found);
+            }
             let arrived = ArrivedBucket {
                 header: &header,
                 more,
@@ -474,7 +581,10 @@ impl WeightStore {
                 return Err(corrupt(report.version, header.index, &source_name, reason));
             }
             version_hasher.add(&header);
-            target.push(Bucket { header, payload });
+            target.push(Bucket {
+                header,
+                payload: Payload::Owned(payload),
+            });
         }
         whole_version(buffer, version_hasher, report, &source_name)
     }

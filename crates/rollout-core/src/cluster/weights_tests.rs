@@ -82,7 +82,7 @@ fn a_later_version_is_built_in_the_allocations_of_an_earlier_one() {
         .lock()
         .unwrap()
         .iter()
-        .map(|b| b.payload.as_ptr())
+        .map(|b| b.payload.owned().unwrap().as_ptr())
         .collect();
     let allocations = first.into_allocations();
     assert_eq!(allocations.len(), pointers.len());
@@ -99,7 +99,7 @@ fn a_later_version_is_built_in_the_allocations_of_an_earlier_one() {
         .lock()
         .unwrap()
         .iter()
-        .filter(|b| pointers.contains(&b.payload.as_ptr()))
+        .filter(|b| pointers.contains(&b.payload.owned().unwrap().as_ptr()))
         .count();
     assert_eq!(reused, pointers.len());
     // A bucket still held elsewhere (being sent) is not handed back.

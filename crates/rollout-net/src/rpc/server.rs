@@ -8,7 +8,7 @@ use bytes::Bytes;
 use tokio::sync::mpsc;
 use tokio_util::codec::Framed;
 
-use super::{Envelope, EnvelopeHead, Sink, Stream, decode_envelope, split};
+use super::{Envelope, EnvelopeHead, HashedFrame, Sink, Stream, decode_envelope, split};
 use crate::frame::{Frame, FrameCodec, FrameError};
 use crate::link::{LinkLimits, NetError};
 use crate::messages::{ErrorMessage, Heartbeat, Hello, Message, MessageKind};
@@ -22,7 +22,7 @@ pub(super) fn start_server(
     limits: &LinkLimits,
 ) -> RpcServer {
     let (sink, stream) = split(framed);
-    let (outgoing, queue) = mpsc::unbounded_channel::<Frame>();
+    let (outgoing, queue) = mpsc::unbounded_channel::<Outgoing>();
     let (incoming, requests) = mpsc::channel(limits.credits.max(1) as usize);
     let (reader_done, stop_writing) = tokio::sync::oneshot::channel::<()>();
     let writer = tokio::spawn(server_writer(sink, queue, limits.heartbeat, stop_writing));
@@ -60,10 +60,16 @@ impl Incoming {
     }
 }
 
+/// An answer waiting to be written.
+enum Outgoing {
+    Plain(Frame),
+    Hashed(HashedFrame),
+}
+
 /// Sends answers; cheap to clone, usable from any task.
 #[derive(Clone, Debug)]
 pub struct Responder {
-    outgoing: mpsc::UnboundedSender<Frame>,
+    outgoing: mpsc::UnboundedSender<Outgoing>,
     peer: String,
 }
 
@@ -76,23 +82,38 @@ impl Responder {
         payload: Bytes,
         more: bool,
     ) -> Result<(), NetError> {
-        let frame = Frame::encode_message(
-            M::KIND,
-            &Envelope {
-                call,
-                more,
-                body: message,
-            },
-            payload,
-        )
-        .map_err(|err| NetError::BadFrame {
-            peer: "this process".into(),
-            reason: err.to_string(),
-        })?;
-        self.outgoing.send(frame).map_err(|_| NetError::PeerLost {
-            peer: self.peer.clone(),
-            reason: "connection closed".into(),
-        })
+        let frame = answer_frame(call, message, payload, more)?;
+        self.queue(Outgoing::Plain(frame))
+    }
+
+    /// Answers `call` with a payload sent from `pieces` back to back, hashed as it is
+    /// written and followed by its digest, which `written` gets once the frame is out (it
+    /// is dropped uncalled if the connection ends first). The pieces are held, not copied,
+    /// until then.
+    pub fn reply_hashed<M: Message>(
+        &self,
+        call: u64,
+        message: &M,
+        pieces: Vec<Bytes>,
+        more: bool,
+        written: impl FnOnce(u128) + Send + 'static,
+    ) -> Result<(), NetError> {
+        let frame = answer_frame(call, message, Bytes::new(), more)?;
+        self.queue(Outgoing::Hashed(HashedFrame {
+            kind: frame.kind,
+            header: frame.header,
+            pieces,
+            written: Box::new(written),
+        }))
+    }
+
+    fn queue(&self, outgoing: Outgoing) -> Result<(), NetError> {
+        self.outgoing
+            .send(outgoing)
+            .map_err(|_| NetError::PeerLost {
+                peer: self.peer.clone(),
+                reason: "connection closed".into(),
+            })
     }
 
     /// Answers `call` with an error; the caller sees [`NetError::Remote`].
@@ -106,6 +127,23 @@ impl Responder {
             false,
         )
     }
+}
+
+fn answer_frame<M: Message>(
+    call: u64,
+    message: &M,
+    payload: Bytes,
+    more: bool,
+) -> Result<Frame, NetError> {
+    let envelope = Envelope {
+        call,
+        more,
+        body: message,
+    };
+    Frame::encode_message(M::KIND, &envelope, payload).map_err(|err| NetError::BadFrame {
+        peer: "this process".into(),
+        reason: err.to_string(),
+    })
 }
 
 /// The answering side of a connection.
@@ -144,7 +182,7 @@ impl RpcServer {
 
 async fn server_writer(
     mut sink: Sink,
-    mut queue: mpsc::UnboundedReceiver<Frame>,
+    mut queue: mpsc::UnboundedReceiver<Outgoing>,
     beat: Duration,
     mut reader_done: tokio::sync::oneshot::Receiver<()>,
 ) {
@@ -154,7 +192,8 @@ async fn server_writer(
         let result = tokio::select! {
             _ = &mut reader_done => break,
             next = queue.recv() => match next {
-                Some(frame) => sink.send(frame).await,
+                Some(Outgoing::Plain(frame)) => sink.send(frame).await,
+                Some(Outgoing::Hashed(frame)) => sink.send_hashed(frame).await,
                 None => break,
             },
             _ = ticks.tick() => {

@@ -554,6 +554,7 @@ impl Fixture {
                     header: Bytes::from(header),
                     payload: seed.payload.clone(),
                     payload_xxh3: None,
+                    sender_hashed: false,
                 };
                 decode_frame(&frame);
                 Ok(())
@@ -590,6 +591,7 @@ impl Fixture {
                     header: Bytes::from(header),
                     payload: seed.payload.clone(),
                     payload_xxh3: None,
+                    sender_hashed: false,
                 };
                 match self.codec.clone().encode(frame, &mut wire) {
                     Ok(()) => wire.to_vec(),

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
+use rollout_core::cluster::buckets::Serving;
 use rollout_core::cluster::weights::VersionBuffer;
 use rollout_core::config::LoadedConfig;
 use rollout_core::roles::{
@@ -162,7 +163,7 @@ impl Learner for OverlappedPolicy {
             let spare = std::mem::take(&mut self.versions().spare);
             let exported = self
                 .learner
-                .export_weights(bucket_bytes, Some(spare))
+                .export_weights(bucket_bytes, Some(Serving::Copied(spare)))
                 .await?;
             let buffer = exported.buffer.ok_or_else(|| {
                 RoleError::Protocol("a version exported to serve came without its buffer".into())

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use rollout_core::cluster::buckets::ExportedVersion;
+use rollout_core::cluster::buckets::{ExportedVersion, Serving};
 use rollout_core::cluster::weights::VersionBuffer;
 use rollout_core::config::{ClusterConfig, KeyPath, LoadedConfig, PluginConfig, TrainConfig};
 use rollout_core::roles::{
@@ -121,15 +121,16 @@ impl PolicyHost {
     }
 
     /// The current weights as a version cut into buckets of about `bucket_bytes`. To serve
-    /// it, pass `serving`: an earlier version's bucket allocations (see
-    /// [`rollout_core::cluster::weights::VersionBuffer::into_allocations`]) to fill its
-    /// buckets into; it is then reported before its checksum is known, with a buffer still
-    /// filling that seals once whole, and the next job on the interpreter (a training step)
-    /// runs only once it is whole, so the weights it copies do not change meanwhile.
+    /// it, pass `serving`, with an earlier version's bucket allocations (see
+    /// [`rollout_core::cluster::weights::VersionBuffer::into_allocations`]); it is then
+    /// reported before its checksum is known, with a buffer that seals once every bucket is
+    /// hashed. Copied, the buckets are filled by the next job on the interpreter, so the
+    /// weights do not change meanwhile; in place, they are sent from the weights, which the
+    /// policy copies before it next changes them (see [`PolicyPlugin::export_version`]).
     pub async fn export_weights(
         &self,
         bucket_bytes: u64,
-        serving: Option<Vec<Vec<u8>>>,
+        serving: Option<Serving>,
     ) -> Result<ExportedVersion, RoleError> {
         let policy = self.policy.clone();
         let version = self.weight_version();

@@ -11,6 +11,7 @@ impl PolicyPlugin {
     /// Frees what generation holds on the device (the HF policy: its KV cache, and its
     /// weights moved to the host).
     pub fn release_memory(&self, py: Python<'_>) -> Result<(), PluginError> {
+        self.settle_served_version(py);
         self.call_if_defined(py, "release_memory")
     }
 

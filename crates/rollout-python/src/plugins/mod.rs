@@ -8,6 +8,7 @@ mod environment;
 mod memory;
 mod multi_agent;
 mod policy;
+mod policy_in_place;
 mod policy_training;
 mod policy_weights;
 mod reward;

@@ -5,6 +5,7 @@ use std::path::Path;
 
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
+use rollout_core::cluster::in_place::ServedInPlace;
 use rollout_core::config::{KeyPath, LoadedConfig, PluginConfig};
 use rollout_core::scheduler::{StepOutput, StepPlan};
 use rollout_core::train::SnapshotFiles;
@@ -23,6 +24,8 @@ pub struct PolicyPlugin {
     /// The `rollout_sdk.distributed.GradientReducer` of the data-parallel group this
     /// trainer rank joined, if any.
     pub(super) data_parallel: std::sync::OnceLock<Py<PyAny>>,
+    /// The version served from the weights in place, until they next change.
+    pub(super) served_in_place: std::sync::Mutex<Option<ServedInPlace>>,
 }
 
 impl PolicyPlugin {
@@ -37,6 +40,7 @@ impl PolicyPlugin {
         Ok(PolicyPlugin {
             plugin,
             data_parallel: std::sync::OnceLock::new(),
+            served_in_place: std::sync::Mutex::new(None),
         })
     }
 
@@ -327,6 +331,7 @@ impl PolicyPlugin {
     }
 
     pub fn load_state(&self, py: Python<'_>, directory: &Path) -> Result<(), PluginError> {
+        self.settle_served_version(py);
         self.plugin.call(py, "load", (directory,)).map(drop)
     }
 

@@ -46,6 +46,7 @@ impl PolicyPlugin {
                 update.extend(self.all_reduce_gradients(py, reducer)?);
             }
             let hook = "apply_update";
+            self.settle_served_version(py);
             let applied = self.plugin.call(py, hook, (request.learning_rate,))?;
             update.extend(self.float_metrics(hook, &applied)?);
         }

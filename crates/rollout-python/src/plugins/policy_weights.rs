@@ -7,12 +7,14 @@ use std::sync::Arc;
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray1};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyIterator, PyModule};
-use rollout_core::cluster::buckets::{ExportedVersion, PlannedVersion, VersionBuilder};
+use rollout_core::cluster::buckets::{ExportedVersion, PlannedVersion, Serving, VersionBuilder};
+use rollout_core::cluster::in_place::ServedInPlace;
 use rollout_core::config::{ClusterConfig, Sharding as ShardingMode, TrainConfig};
 use rollout_net::Dtype;
 
 use super::PluginError;
 use super::policy::PolicyPlugin;
+use super::policy_in_place::{LentTensor, lent_bytes};
 use crate::contract::{Sharding, to_python};
 
 /// A policy's weights for export.
@@ -153,22 +155,25 @@ impl PolicyPlugin {
     }
 
     /// Exports the weights as `version`, in buckets of about `bucket_bytes`, and `report`s
-    /// it. Serving it (`serving` holds an earlier version's bucket allocations), the version
-    /// is reported at once, unsealed, with the buffer its buckets are then filled into and
-    /// checksummed, bucket by bucket, so pullers start while the rest is copied; the job
-    /// ends once every bucket is in, which seals the buffer. Otherwise it is reported with
+    /// it. Served (`serving` holds an earlier version's bucket allocations), the version is
+    /// reported at once, unsealed, with the buffer pullers are served from, which seals once
+    /// every bucket is hashed: [`Serving::Copied`], its buckets are then filled into it and
+    /// checksummed, bucket by bucket, so pullers start while the rest is copied, and the job
+    /// ends once every bucket is in; [`Serving::InPlace`], its buckets view the arrays the
+    /// policy lent, each hashed as it is first sent, until the policy settles the version
+    /// (copies it) before a hook that may change the weights. Otherwise it is reported with
     /// its checksum.
     ///
-    /// A mapping from `weight_views` (or `export_weights`) is read in place, once: to copy
-    /// (and checksum) the buckets of a served version, else to checksum them. Pairs handed
-    /// over one at a time (a sharded policy gathers each as it is asked for) are copied into
-    /// buckets as they come, and the version is reported, sealed, once all are in.
+    /// A mapping from `weight_views` (or `export_weights`) is read in place: to send, copy
+    /// or checksum the buckets. Pairs handed over one at a time (a sharded policy gathers
+    /// each as it is asked for) are copied into buckets as they come, and the version is
+    /// reported, sealed, once all are in.
     pub fn export_version(
         &self,
         py: Python<'_>,
         version: u64,
         bucket_bytes: u64,
-        serving: Option<Vec<Vec<u8>>>,
+        serving: Option<Serving>,
         report: impl FnOnce(Result<ExportedVersion, PluginError>),
     ) {
         let (hook, weights) = match self.weights(py) {
@@ -183,9 +188,22 @@ impl PolicyPlugin {
                     hook,
                     pairs,
                     (version, bucket_bytes),
-                    serving,
+                    serving.map(Serving::into_allocations),
                 ));
             }
+        };
+        let serving = match serving {
+            Some(Serving::InPlace(allocations)) => {
+                return self.serve_in_place(
+                    py,
+                    hook,
+                    &held,
+                    (version, bucket_bytes),
+                    allocations,
+                    report,
+                );
+            }
+            other => other.map(Serving::into_allocations),
         };
         let tensors = held.iter().map(|view| {
             (
@@ -216,6 +234,33 @@ impl PolicyPlugin {
         }));
         tracing::info_span!("weights.fill", version)
             .in_scope(|| planned.fill(&buffer, allocations));
+    }
+
+    /// Serves the `held` views in place (see [`PolicyPlugin::export_version`]).
+    fn serve_in_place(
+        &self,
+        py: Python<'_>,
+        hook: &'static str,
+        held: &[WeightView<'_>],
+        (version, bucket_bytes): (u64, u64),
+        allocations: Vec<Vec<u8>>,
+        report: impl FnOnce(Result<ExportedVersion, PluginError>),
+    ) {
+        let lent = held.iter().map(|view| -> LentTensor {
+            let bytes = lent_bytes(view.array.as_any(), view.bytes());
+            (view.name.clone(), view.dtype, view.shape.clone(), bytes)
+        });
+        let served = match ServedInPlace::plan(version, bucket_bytes, lent, allocations) {
+            Ok(served) => served,
+            Err(err) => return report(Err(self.plugin.bad_return(hook, err.to_string()))),
+        };
+        report(Ok(ExportedVersion {
+            version,
+            checksum: None,
+            bytes: served.bytes(),
+            buffer: Some(served.buffer().clone()),
+        }));
+        self.keep_served_in_place(py, served);
     }
 
     /// Copies tensors into buckets as `pairs` hands them over.

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::ops::ControlFlow;
 
 use bytes::Bytes;
+use rollout_core::cluster::buckets::Serving;
 use rollout_core::cluster::weights::WeightStore;
 use rollout_core::config::{LoadedConfig, Sharding};
 use rollout_core::roles::{Learner, SaveWritten};
@@ -247,8 +248,8 @@ async fn publish(
     call: u64,
 ) {
     let serving = !publisher.address.is_empty();
-    let allocations = serving.then(|| publisher.store.retire());
-    let exported = match host.export_weights(request.bucket_bytes, allocations).await {
+    let serving = serving.then(|| Serving::InPlace(publisher.store.retire()));
+    let exported = match host.export_weights(request.bucket_bytes, serving).await {
         Ok(exported) => exported,
         Err(err) => return answer(responder, call, Err::<WeightsReport, _>(err)),
     };
