@@ -15,11 +15,12 @@ use rollout_net::gate::Gate;
 use rollout_net::link::{Link, LinkLimits};
 use rollout_net::messages::{Hello, PullWeights, WeightsBucket, WeightsReport};
 use rollout_net::rpc::{Incoming, Responder, RpcClient};
-use rollout_net::tensor::{TensorBytes, TensorMeta};
+use rollout_net::tensor::TensorBytes;
 use rollout_net::{ClusterKey, NetError};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
+use super::assemble::TensorAssembler;
 use crate::roles::RoleError;
 
 /// Folds bucket checksums, in order, into a version checksum.
@@ -110,7 +111,7 @@ impl Payload {
     }
 
     /// The payload in one buffer (pieces are joined into a new one).
-    fn contiguous(&self) -> Bytes {
+    pub(super) fn contiguous(&self) -> Bytes {
         match self {
             Payload::Owned(bytes) => bytes.clone(),
             Payload::InPlace(pieces) => Bytes::from(pieces.concat()),
@@ -278,122 +279,6 @@ impl VersionBuffer {
             .lock()
             .map(|b| b.iter().map(|b| b.payload.len() as u64).sum())
             .unwrap_or(0)
-    }
-}
-
-/// Turns a version's buckets, in order, back into its tensors: a whole tensor is a slice of
-/// its bucket (not copied); one that travelled in pieces is joined into one buffer once its
-/// last piece is in.
-#[derive(Default)]
-struct TensorAssembler {
-    joining: Option<Pieces>,
-}
-
-impl TensorAssembler {
-    /// The tensors `bucket` completes.
-    fn add(&mut self, bucket: &Bucket) -> Result<Vec<TensorBytes>, WeightsError> {
-        let payload = bucket.payload.contiguous();
-        let mut tensors = Vec::new();
-        for meta in &bucket.header.tensors.tensors {
-            let start = meta.offset as usize;
-            let bytes = payload.slice(start..start + meta.len as usize);
-            if self.joining.is_none() && meta.piece_start.is_none() {
-                tensors.push(TensorBytes::new(
-                    meta.name.clone(),
-                    meta.dtype,
-                    meta.shape.clone(),
-                    bytes,
-                )?);
-                continue;
-            }
-            let mut pieces = match self.joining.take() {
-                Some(pieces) => pieces,
-                None => Pieces::first(meta)?,
-            };
-            pieces.add(meta, bytes)?;
-            match pieces.joined()? {
-                Some(tensor) => tensors.push(tensor),
-                None => self.joining = Some(pieces),
-            }
-        }
-        Ok(tensors)
-    }
-
-    /// Checks that no tensor was left waiting for pieces.
-    fn finish(self) -> Result<(), WeightsError> {
-        match self.joining {
-            Some(pieces) => Err(pieces.broken("its last piece never arrived")),
-            None => Ok(()),
-        }
-    }
-}
-
-/// The pieces of one tensor so far, in order.
-struct Pieces {
-    first: TensorMeta,
-    parts: Vec<Bytes>,
-    next: u64,
-    total: u64,
-}
-
-impl Pieces {
-    fn first(meta: &TensorMeta) -> Result<Self, WeightsError> {
-        let pieces = Self {
-            first: meta.clone(),
-            parts: Vec::new(),
-            next: 0,
-            total: meta.tensor_len()?,
-        };
-        if meta.piece_start != Some(0) {
-            return Err(pieces.broken("its first piece does not start at byte 0"));
-        }
-        Ok(pieces)
-    }
-
-    fn broken(&self, reason: &str) -> WeightsError {
-        WeightsError::Pieces {
-            name: self.first.name.clone(),
-            reason: reason.to_owned(),
-        }
-    }
-
-    fn add(&mut self, meta: &TensorMeta, bytes: Bytes) -> Result<(), WeightsError> {
-        let same = meta.name == self.first.name
-            && meta.dtype == self.first.dtype
-            && meta.shape == self.first.shape;
-        if !same || meta.piece_start != Some(self.next) {
-            return Err(self.broken(&format!(
-                "`{}` ({}) came where its bytes from {} were due",
-                meta.name,
-                meta.piece_start.map_or_else(
-                    || "a whole tensor".to_owned(),
-                    |start| format!("bytes from {start}")
-                ),
-                self.next
-            )));
-        }
-        self.next += meta.len;
-        self.parts.push(bytes);
-        Ok(())
-    }
-
-    /// The whole tensor, once the pieces cover it (their bytes have all arrived, so joining
-    /// them allocates nothing a peer merely claimed).
-    fn joined(&self) -> Result<Option<TensorBytes>, WeightsError> {
-        if self.next < self.total {
-            return Ok(None);
-        }
-        let mut data = Vec::with_capacity(self.parts.iter().map(Bytes::len).sum());
-        for part in &self.parts {
-            data.extend_from_slice(part);
-        }
-        let first = &self.first;
-        Ok(Some(TensorBytes::new(
-            first.name.clone(),
-            first.dtype,
-            first.shape.clone(),
-            data,
-        )?))
     }
 }
 
