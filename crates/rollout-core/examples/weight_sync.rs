@@ -329,6 +329,24 @@ fn views(weights: &[TensorBytes]) -> Vec<(&str, Dtype, &[u64], &[u8])> {
         .collect()
 }
 
+/// The report of `version` with the checksum the pullers verify, computed before the clock
+/// starts (a trainer seals the version with it once every bucket is hashed).
+fn sealed_report(
+    chain: &Chain,
+    version: u64,
+    weights: &[TensorBytes],
+    bucket_bytes: u64,
+) -> WeightsReport {
+    let planned = PlannedVersion::plan(version, bucket_bytes, views(weights)).unwrap();
+    WeightsReport {
+        version,
+        checksum: planned.checksum(),
+        bytes: planned.bytes(),
+        source: chain.trainer_addr.clone(),
+        holder: "trainer".into(),
+    }
+}
+
 /// One sync of `version` as a trainer serves it: announced before its buckets hold a byte,
 /// then filled by a thread of its own (`PlannedVersion::fill`, the trainer's `weights.fill`:
 /// each bucket copied and checksummed into the allocations of the version before) while the
@@ -340,16 +358,7 @@ async fn sync_while_filling(
     weights: &[TensorBytes],
     bucket_bytes: u64,
 ) -> f64 {
-    // The checksum the pullers verify, computed before the clock starts (a trainer seals
-    // the version with it once filled).
-    let planned = PlannedVersion::plan(version, bucket_bytes, views(weights)).unwrap();
-    let report = WeightsReport {
-        version,
-        checksum: planned.checksum(),
-        bytes: planned.bytes(),
-        source: chain.trainer_addr.clone(),
-        holder: "trainer".into(),
-    };
+    let report = sealed_report(chain, version, weights, bucket_bytes);
     let allocations = chain.trainer.retire();
     let owned = weights.to_vec();
     let started = Instant::now();
@@ -378,14 +387,7 @@ async fn sync_in_place(
     weights: &[TensorBytes],
     bucket_bytes: u64,
 ) -> f64 {
-    let planned = PlannedVersion::plan(version, bucket_bytes, views(weights)).unwrap();
-    let report = WeightsReport {
-        version,
-        checksum: planned.checksum(),
-        bytes: planned.bytes(),
-        source: chain.trainer_addr.clone(),
-        holder: "trainer".into(),
-    };
+    let report = sealed_report(chain, version, weights, bucket_bytes);
     let allocations = chain.trainer.retire();
     let started = Instant::now();
     let lent = weights

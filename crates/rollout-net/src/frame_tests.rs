@@ -249,6 +249,20 @@ fn a_large_payload_grows_its_buffer_a_logarithmic_number_of_times() {
     assert!(grown <= 4, "the buffer grew {grown} times");
 }
 
+/// Every frame `wire` holds, fed to one codec `chunk` bytes at a time.
+fn decode_in_chunks(wire: &[u8], chunk: usize) -> Vec<Frame> {
+    let mut codec = FrameCodec::new();
+    let mut buf = BytesMut::new();
+    let mut decoded = Vec::new();
+    for piece in wire.chunks(chunk) {
+        buf.extend_from_slice(piece);
+        while let Some(frame) = codec.decode(&mut buf).unwrap() {
+            decoded.push(frame);
+        }
+    }
+    decoded
+}
+
 fn bucket_frame(payload: Vec<u8>) -> Frame {
     Frame::encode_message(MessageKind::WeightsBucket, &"bucket", Bytes::from(payload)).unwrap()
 }
@@ -261,15 +275,7 @@ fn a_large_payload_is_hashed_as_it_arrives_in_any_chunks() {
     let mut wire = encode(frame.clone());
     wire.extend_from_slice(&encode(small.clone()));
     for chunk in [1000, 65_536, wire.len()] {
-        let mut codec = FrameCodec::new();
-        let mut buf = BytesMut::new();
-        let mut decoded = Vec::new();
-        for piece in wire.chunks(chunk) {
-            buf.extend_from_slice(piece);
-            while let Some(frame) = codec.decode(&mut buf).unwrap() {
-                decoded.push(frame);
-            }
-        }
+        let decoded = decode_in_chunks(&wire, chunk);
         assert_eq!(
             decoded,
             vec![frame.clone(), small.clone()],
@@ -423,15 +429,7 @@ fn a_senders_digest_after_the_payload_is_checked_in_any_chunks() {
         let mut wire = with_trailer(MessageKind::WeightsBucket, b"\"bucket\"", &payload, digest);
         wire.extend_from_slice(&encode(small.clone()));
         for chunk in [1, 7, 1000, 65_536, wire.len()] {
-            let mut codec = FrameCodec::new();
-            let mut buf = BytesMut::new();
-            let mut decoded = Vec::new();
-            for piece in wire.chunks(chunk) {
-                buf.extend_from_slice(piece);
-                while let Some(frame) = codec.decode(&mut buf).unwrap() {
-                    decoded.push(frame);
-                }
-            }
+            let decoded = decode_in_chunks(&wire, chunk);
             assert_eq!(decoded.len(), 2, "{len} bytes in chunks of {chunk}");
             assert_eq!(&decoded[0].payload[..], &payload[..]);
             assert_eq!(decoded[0].payload_xxh3, Some(digest));

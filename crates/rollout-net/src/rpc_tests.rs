@@ -9,6 +9,22 @@ use crate::link::LinkLimits;
 use crate::messages::{Done, Hello, MessageKind};
 use tokio_util::codec::Encoder;
 
+/// The answering side of `parts`, with no heartbeat to get in the way.
+fn quiet_server(parts: tokio_util::codec::FramedParts<LinkStream, FrameCodec>) -> RpcServer {
+    let limits = LinkLimits {
+        heartbeat: Duration::from_secs(3600),
+        ..LinkLimits::default()
+    };
+    let hello = Hello {
+        role: "test".into(),
+        name: "test".into(),
+        version: "test".into(),
+        credits: 4,
+        info: serde_json::Value::Null,
+    };
+    start_server(Framed::from_parts(parts), "peer".into(), hello, &limits)
+}
+
 /// A request that arrived together with the peer's greeting is served at once, not when
 /// the peer's next heartbeat brings more bytes (the ~2 s weight-sync stalls).
 #[tokio::test]
@@ -37,18 +53,7 @@ async fn a_request_read_ahead_with_the_greeting_is_served_without_more_bytes() {
     let mut parts =
         tokio_util::codec::FramedParts::new(LinkStream::Plain(accepted), FrameCodec::new());
     parts.read_buf = read_ahead;
-    let limits = LinkLimits {
-        heartbeat: Duration::from_secs(3600),
-        ..LinkLimits::default()
-    };
-    let hello = Hello {
-        role: "test".into(),
-        name: "test".into(),
-        version: "test".into(),
-        credits: 4,
-        info: serde_json::Value::Null,
-    };
-    let mut server = start_server(Framed::from_parts(parts), "peer".into(), hello, &limits);
+    let mut server = quiet_server(parts);
     let incoming = tokio::time::timeout(Duration::from_secs(1), server.requests.recv())
         .await
         .expect("the request read ahead waited for more bytes")
@@ -137,18 +142,7 @@ async fn a_hashed_answer_arrives_joined_and_reports_its_digest() {
         .unwrap();
     let (accepted, _) = listener.accept().await.unwrap();
     let parts = tokio_util::codec::FramedParts::new(LinkStream::Plain(accepted), FrameCodec::new());
-    let limits = LinkLimits {
-        heartbeat: Duration::from_secs(3600),
-        ..LinkLimits::default()
-    };
-    let hello = Hello {
-        role: "test".into(),
-        name: "test".into(),
-        version: "test".into(),
-        credits: 4,
-        info: serde_json::Value::Null,
-    };
-    let server = start_server(Framed::from_parts(parts), "peer".into(), hello, &limits);
+    let server = quiet_server(parts);
     let large: Vec<u8> = (0..700_000u32).map(|i| (i % 239) as u8).collect();
     let pieces = vec![
         Bytes::from_static(b"tiny"),

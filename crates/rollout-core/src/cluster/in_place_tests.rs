@@ -2,13 +2,14 @@
 
 use std::time::{Duration, Instant};
 
-use rollout_net::messages::{Hello, WeightsReport};
+use rollout_net::messages::WeightsReport;
 use rollout_net::tensor::{Dtype, TensorBytes};
 use rollout_net::{ClusterKey, Link, LinkLimits};
 use tokio::sync::watch;
 
 use super::*;
 use crate::cluster::buckets::PlannedVersion;
+use crate::cluster::weights::tests::hello;
 use crate::cluster::weights::{WeightStore, seal_of};
 
 /// Tensors of odd sizes (so buckets have alignment gaps) and one larger than a bucket.
@@ -47,16 +48,6 @@ fn expected_checksum(tensors: &[TensorBytes]) -> String {
     PlannedVersion::plan(3, BUCKET_BYTES, views)
         .unwrap()
         .checksum()
-}
-
-fn hello(name: &str) -> Hello {
-    Hello {
-        role: "test".into(),
-        name: name.into(),
-        version: env!("CARGO_PKG_VERSION").into(),
-        credits: 16,
-        info: serde_json::Value::Null,
-    }
 }
 
 fn unsealed() -> WeightsReport {

@@ -593,4 +593,4 @@ impl VersionBuffer {
 
 #[cfg(test)]
 #[path = "weights_tests.rs"]
-mod tests;
+pub(super) mod tests;

@@ -228,7 +228,8 @@ async fn a_version_pulled_unsealed_is_served_only_with_its_own_seal() {
     assert!(format!("{err:?}").contains("no seal arrived"), "{err:?}");
 }
 
-fn hello(name: &str) -> Hello {
+/// A greeting for a test's links (also [`crate::cluster::in_place`]'s tests).
+pub(in crate::cluster) fn hello(name: &str) -> Hello {
     Hello {
         role: "test".into(),
         name: name.into(),
