@@ -297,7 +297,6 @@ impl FrameCodec {
             trailer,
         } = arriving;
         let (payload, digest) = payload.finish();
-        let sender_hashed = trailer;
         if trailer {
             check_digest(kind, digest, src.split_to(DIGEST_LEN).as_ref())?;
         }
@@ -306,7 +305,7 @@ impl FrameCodec {
             header,
             payload,
             payload_xxh3: Some(digest),
-            sender_hashed,
+            sender_hashed: trailer,
         }))
     }
 

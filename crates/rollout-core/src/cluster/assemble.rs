@@ -4,19 +4,34 @@
 use bytes::Bytes;
 use rollout_net::tensor::{TensorBytes, TensorMeta};
 
-use super::weights::{Bucket, WeightsError};
+use super::weights::{Bucket, VersionBuffer, WeightsError};
+
+impl VersionBuffer {
+    /// Every tensor with its bytes, once all buckets are in (see [`TensorAssembler`]).
+    pub fn tensors(&self) -> Result<Vec<TensorBytes>, WeightsError> {
+        let mut assembler = TensorAssembler::default();
+        let mut tensors = Vec::new();
+        let mut index = 0;
+        while let Some(bucket) = self.bucket(index) {
+            tensors.extend(assembler.add(&bucket)?);
+            index += 1;
+        }
+        assembler.finish()?;
+        Ok(tensors)
+    }
+}
 
 /// Turns a version's buckets, in order, back into its tensors: a whole tensor is a slice of
 /// its bucket (not copied); one that travelled in pieces is joined into one buffer once its
 /// last piece is in.
 #[derive(Default)]
-pub(super) struct TensorAssembler {
+struct TensorAssembler {
     joining: Option<Pieces>,
 }
 
 impl TensorAssembler {
     /// The tensors `bucket` completes.
-    pub(super) fn add(&mut self, bucket: &Bucket) -> Result<Vec<TensorBytes>, WeightsError> {
+    fn add(&mut self, bucket: &Bucket) -> Result<Vec<TensorBytes>, WeightsError> {
         let payload = bucket.payload.contiguous();
         let mut tensors = Vec::new();
         for meta in &bucket.header.tensors.tensors {
@@ -45,7 +60,7 @@ impl TensorAssembler {
     }
 
     /// Checks that no tensor was left waiting for pieces.
-    pub(super) fn finish(self) -> Result<(), WeightsError> {
+    fn finish(self) -> Result<(), WeightsError> {
         match self.joining {
             Some(pieces) => Err(pieces.broken("its last piece never arrived")),
             None => Ok(()),
@@ -119,5 +134,43 @@ impl Pieces {
             first.shape.clone(),
             data,
         )?))
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::cluster::weights::tests::tensors;
+
+    #[test]
+    fn each_tensor_is_assembled_as_soon_as_its_last_bucket_is_in() {
+        let tensors = tensors();
+        for bucket_bytes in [48, 100, 1 << 20] {
+            let buffer = VersionBuffer::from_tensors(3, &tensors, bucket_bytes).unwrap();
+            let buckets: Vec<_> = (0..buffer.count)
+                .map(|i| buffer.bucket(i).unwrap())
+                .collect();
+            let mut assembler = TensorAssembler::default();
+            let mut assembled = Vec::new();
+            for bucket in &buckets {
+                let done = assembler.add(bucket).unwrap();
+                let last_piece_here = |name: &str| {
+                    let metas = &bucket.header.tensors.tensors;
+                    metas.iter().any(|meta| meta.name == name)
+                };
+                assert!(done.iter().all(|tensor| last_piece_here(&tensor.name)));
+                assembled.extend(done);
+            }
+            assembler.finish().unwrap();
+            assert_eq!(assembled, tensors, "{bucket_bytes}-byte buckets");
+        }
+        // Cut short in the middle of a tensor's pieces: the assembler says so.
+        let buffer = VersionBuffer::from_tensors(3, &tensors, 48).unwrap();
+        let first = buffer.bucket(0).unwrap();
+        let mut assembler = TensorAssembler::default();
+        assert!(assembler.add(&first).unwrap().is_empty());
+        let err = assembler.finish().unwrap_err();
+        assert!(err.to_string().contains("never arrived"), "{err}");
     }
 }

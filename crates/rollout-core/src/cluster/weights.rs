@@ -15,12 +15,10 @@ use rollout_net::gate::Gate;
 use rollout_net::link::{Link, LinkLimits};
 use rollout_net::messages::{Hello, PullWeights, WeightsBucket, WeightsReport};
 use rollout_net::rpc::{Incoming, Responder, RpcClient};
-use rollout_net::tensor::TensorBytes;
 use rollout_net::{ClusterKey, NetError};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-use super::assemble::TensorAssembler;
 use crate::roles::RoleError;
 
 /// Folds bucket checksums, in order, into a version checksum.
@@ -249,18 +247,6 @@ impl VersionBuffer {
                 limit.as_secs()
             ))),
         }
-    }
-
-    /// Every tensor with its bytes, once all buckets are in (see [`TensorAssembler`]).
-    pub fn tensors(&self) -> Result<Vec<TensorBytes>, WeightsError> {
-        let buckets = self.buckets.lock().map(|b| b.clone()).unwrap_or_default();
-        let mut assembler = TensorAssembler::default();
-        let mut tensors = Vec::new();
-        for bucket in &buckets {
-            tensors.extend(assembler.add(bucket)?);
-        }
-        assembler.finish()?;
-        Ok(tensors)
     }
 
     /// The version checksum (over the bucket checksums in order).

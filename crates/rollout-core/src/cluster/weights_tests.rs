@@ -1,11 +1,13 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use rollout_net::Dtype;
+use rollout_net::tensor::TensorBytes;
 
 use super::*;
 use crate::cluster::buckets::{PlannedVersion, VersionBuilder};
 
-fn tensors() -> Vec<TensorBytes> {
+/// Five small float32 tensors (also [`crate::cluster::assemble`]'s tests).
+pub(in crate::cluster) fn tensors() -> Vec<TensorBytes> {
     (0..5)
         .map(|i| TensorBytes {
             name: format!("layer.{i}.weight"),
@@ -125,35 +127,6 @@ fn the_checksum_sees_a_flipped_bit_and_a_renamed_tensor() {
     let mut renamed = tensors.clone();
     renamed[0].name = "layer.0.bias".into();
     assert_ne!(checksum(&renamed), original);
-}
-
-#[test]
-fn each_tensor_is_assembled_as_soon_as_its_last_bucket_is_in() {
-    let tensors = tensors();
-    for bucket_bytes in [48, 100, 1 << 20] {
-        let buffer = VersionBuffer::from_tensors(3, &tensors, bucket_bytes).unwrap();
-        let buckets = buffer.buckets.lock().unwrap().clone();
-        let mut assembler = TensorAssembler::default();
-        let mut assembled = Vec::new();
-        for bucket in &buckets {
-            let done = assembler.add(bucket).unwrap();
-            let last_piece_here = |name: &str| {
-                let metas = &bucket.header.tensors.tensors;
-                metas.iter().any(|meta| meta.name == name)
-            };
-            assert!(done.iter().all(|tensor| last_piece_here(&tensor.name)));
-            assembled.extend(done);
-        }
-        assembler.finish().unwrap();
-        assert_eq!(assembled, tensors, "{bucket_bytes}-byte buckets");
-    }
-    // Cut short in the middle of a tensor's pieces: the assembler says so.
-    let buffer = VersionBuffer::from_tensors(3, &tensors, 48).unwrap();
-    let first = buffer.bucket(0).unwrap();
-    let mut assembler = TensorAssembler::default();
-    assert!(assembler.add(&first).unwrap().is_empty());
-    let err = assembler.finish().unwrap_err();
-    assert!(err.to_string().contains("never arrived"), "{err}");
 }
 
 fn report(version: u64, checksum: &str) -> WeightsReport {
