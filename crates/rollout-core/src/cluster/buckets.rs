@@ -19,7 +19,7 @@ use rollout_net::tensor::{
     Dtype, TENSOR_ALIGN, TensorBytes, TensorError, TensorMeta, TensorTable, checksum,
 };
 
-use super::weights::{Bucket, Payload, VersionBuffer, VersionHasher, WeightsError};
+use super::weights::{Bucket, Payload, VersionBuffer, VersionHasher, WeightsError, hex};
 
 /// A version a trainer exported: its size, its checksum (`None` while the buffer is still
 /// being filled: [`VersionBuffer::sealed`] has it then) and, when it serves the version, the
@@ -365,7 +365,7 @@ impl<'a> PlannedVersion<'a> {
         for (index, ((tensors, runs), len)) in buckets.enumerate() {
             let mut payload = allocation(&mut allocations, len);
             payload.reserve(len);
-            let checksum = copy_and_checksum(&mut payload, &runs);
+            let checksum = hex(copy_and_hash(&mut payload, pieces(&runs)));
             buffer.push(Bucket {
                 header: WeightsBucket {
                     version: self.version,
@@ -380,45 +380,61 @@ impl<'a> PlannedVersion<'a> {
     }
 }
 
-/// Lays `runs` out in `payload` (zeroing the alignment gaps) and returns the payload's
-/// [`checksum`], each stretch hashed right after it is copied.
-fn copy_and_checksum(payload: &mut Vec<u8>, runs: &[(usize, &[u8])]) -> String {
+/// The zeros of the alignment gaps between tensors.
+pub(super) static GAP: [u8; TENSOR_ALIGN] = [0; TENSOR_ALIGN];
+
+/// The pieces of the payload `runs` lay out: each run after the zeros of its alignment gap
+/// (shorter than [`TENSOR_ALIGN`], as [`BucketLayout`] places runs).
+fn pieces<'a>(runs: &'a [(usize, &'a [u8])]) -> impl Iterator<Item = &'a [u8]> {
+    let mut end = 0;
+    runs.iter().flat_map(move |&(offset, bytes)| {
+        let gap = &GAP[..offset - end];
+        end = offset + bytes.len();
+        [gap, bytes]
+    })
+}
+
+/// Appends `pieces` to `copy` and returns their XXH3-128, each stretch hashed right after
+/// it is copied, while it is in cache.
+pub(super) fn copy_and_hash<'a>(
+    copy: &mut Vec<u8>,
+    pieces: impl IntoIterator<Item = &'a [u8]>,
+) -> u128 {
     const STRETCH: usize = 1 << 20;
     let mut hasher = twox_hash::XxHash3_128::new();
-    for &(offset, bytes) in runs {
-        let gap = payload.len();
-        payload.resize(offset, 0);
-        hasher.write(&payload[gap..]);
-        for stretch in bytes.chunks(STRETCH) {
-            let start = payload.len();
-            payload.extend_from_slice(stretch);
-            hasher.write(&payload[start..]);
+    for piece in pieces {
+        for stretch in piece.chunks(STRETCH) {
+            let start = copy.len();
+            copy.extend_from_slice(stretch);
+            hasher.write(&copy[start..]);
         }
     }
-    format!("{:032x}", hasher.finish_128())
+    hasher.finish_128()
+}
+
+/// The XXH3-128 of `pieces` one after another, read in place.
+pub(super) fn hash<'a>(pieces: impl IntoIterator<Item = &'a [u8]>) -> u128 {
+    let mut hasher = twox_hash::XxHash3_128::new();
+    for piece in pieces {
+        hasher.write(piece);
+    }
+    hasher.finish_128()
 }
 
 /// Checksums every bucket in place, the buckets shared out over the machine's cores.
 fn checksum_buckets(contents: &[Vec<(usize, &[u8])>]) -> Vec<String> {
+    let streamed_checksum = |runs: &Vec<(usize, &[u8])>| hex(hash(pieces(runs)));
     let threads = std::thread::available_parallelism()
         .map_or(1, |cores| cores.get())
         .min(contents.len());
     if threads <= 1 {
-        return contents
-            .iter()
-            .map(|runs| streamed_checksum(runs))
-            .collect();
+        return contents.iter().map(streamed_checksum).collect();
     }
     std::thread::scope(|scope| {
         let shares: Vec<_> = contents
             .chunks(contents.len().div_ceil(threads))
             .map(|share| {
-                scope.spawn(move || {
-                    share
-                        .iter()
-                        .map(|runs| streamed_checksum(runs))
-                        .collect::<Vec<_>>()
-                })
+                scope.spawn(move || share.iter().map(streamed_checksum).collect::<Vec<_>>())
             })
             .collect();
         shares
@@ -430,24 +446,6 @@ fn checksum_buckets(contents: &[Vec<(usize, &[u8])>]) -> Vec<String> {
             })
             .collect()
     })
-}
-
-/// The checksum of the payload `runs` lay out ([`checksum`] of it), without building it.
-fn streamed_checksum(runs: &[(usize, &[u8])]) -> String {
-    const GAP: [u8; TENSOR_ALIGN] = [0; TENSOR_ALIGN];
-    let mut hasher = twox_hash::XxHash3_128::new();
-    let mut end = 0;
-    for &(offset, bytes) in runs {
-        let mut gap = offset - end;
-        while gap > 0 {
-            let zeros = gap.min(GAP.len());
-            hasher.write(&GAP[..zeros]);
-            gap -= zeros;
-        }
-        hasher.write(bytes);
-        end = offset + bytes.len();
-    }
-    format!("{:032x}", hasher.finish_128())
 }
 
 #[cfg(test)]

@@ -14,13 +14,10 @@ use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use rollout_net::tensor::{Dtype, TENSOR_ALIGN};
+use rollout_net::tensor::Dtype;
 
-use super::buckets::{BucketLayout, allocation, headers};
-use super::weights::{Bucket, Payload, VersionBuffer, WeightsError};
-
-/// The zeros of the alignment gaps between tensors.
-static GAP: [u8; TENSOR_ALIGN] = [0; TENSOR_ALIGN];
+use super::buckets::{BucketLayout, GAP, allocation, copy_and_hash, hash, headers};
+use super::weights::{Bucket, Payload, VersionBuffer, WeightsError, hex};
 
 /// How long [`ServedInPlace::seal_unless_pulled`] gives pullers, at least, and per byte.
 const UNPULLED_GRACE: Duration = Duration::from_secs(1);
@@ -140,9 +137,9 @@ impl ServedInPlace {
             let len = pieces.iter().map(Bytes::len).sum();
             let mut copy = allocation(&mut self.allocations, len);
             copy.reserve(len);
-            let digest = copy_and_hash(&mut copy, &pieces);
+            let digest = copy_and_hash(&mut copy, pieces.iter().map(|piece| &piece[..]));
             if let Some(sent) = self.buffer.record_checksum(index, digest)
-                && sent != format!("{digest:032x}")
+                && sent != hex(digest)
             {
                 tracing::error!(
                     "weight version {}: bucket {index} changed while it was served in place \
@@ -185,28 +182,9 @@ fn seal_after(buffer: &Weak<VersionBuffer>, grace: Duration) {
         if let Payload::InPlace(pieces) = bucket.payload
             && bucket.header.checksum.is_empty()
         {
-            let mut hasher = twox_hash::XxHash3_128::new();
-            for piece in pieces.iter() {
-                hasher.write(piece);
-            }
-            buffer.record_checksum(index, hasher.finish_128());
+            buffer.record_checksum(index, hash(pieces.iter().map(|piece| &piece[..])));
         }
     }
-}
-
-/// Appends `pieces` to `copy` and returns their XXH3-128, each stretch hashed right after
-/// it is copied, while it is in cache.
-fn copy_and_hash(copy: &mut Vec<u8>, pieces: &[Bytes]) -> u128 {
-    const STRETCH: usize = 1 << 20;
-    let mut hasher = twox_hash::XxHash3_128::new();
-    for piece in pieces {
-        for stretch in piece.chunks(STRETCH) {
-            let start = copy.len();
-            copy.extend_from_slice(stretch);
-            hasher.write(&copy[start..]);
-        }
-    }
-    hasher.finish_128()
 }
 
 #[cfg(test)]

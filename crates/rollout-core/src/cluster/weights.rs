@@ -43,8 +43,13 @@ impl VersionHasher {
     }
 
     pub(super) fn finish(self) -> String {
-        format!("{:032x}", self.0.finish_128())
+        hex(self.0.finish_128())
     }
+}
+
+/// A digest as a bucket header's checksum ([`rollout_net::tensor::checksum`]'s form).
+pub(super) fn hex(digest: u128) -> String {
+    format!("{digest:032x}")
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -177,7 +182,7 @@ impl VersionBuffer {
             let mut buckets = self.buckets.lock().ok()?;
             let header = &mut buckets.get_mut(index as usize)?.header;
             if header.checksum.is_empty() {
-                header.checksum = format!("{digest:032x}");
+                header.checksum = hex(digest);
                 None
             } else {
                 Some(header.checksum.clone())
