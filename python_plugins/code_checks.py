@@ -1,134 +1,165 @@
-"""Tests of completed code whose verdict is computed outside the code's sandbox.
+"""Tests of completed code, evaluated outside the code's sandbox.
 
-A test is one ``assert``: a comparison whose operands are expressions (``add(1, 2)``) or
-literals (``3``, ``[1, 2]``), or an expression asserted true (``assert is_prime(7)``) or false
-(``assert not is_prime(8)``). :func:`parse_test` splits it into *probes*, the expressions the
-sandboxed code evaluates, and a check the reward applies to their values: the expected
-literals never reach the sandbox, so code cannot read or forge them. Values come back as plain
-data of exact types (:func:`decode` rebuilds them; an object whose ``__eq__`` always holds
-cannot cross), and comparisons are Python's own on those values, as the ``assert`` would be.
+A test is one ``assert`` of any expression (``assert add(1, 2) == 3 and add(2, 2) == 4``,
+``assert all(add(a, b) == a + b for a, b in pairs)``, ``assert abs(area(2.0) - 12.566) < 1e-3``,
+``assert math.isclose(area(2.0), 12.566, rel_tol=1e-3)``, ``assert my_sort(x) == sorted(x)``,
+``assert zeros(3) == [0] * 3``...). The whole expression is evaluated here, in a namespace this
+process owns (:func:`namespace`): its own built-ins and modules, whatever the completion
+defines, so ``abs``, ``all``, ``sorted``, ``math`` and every comparison are always the real
+ones. Only the names the completion defines and the test does not get from here (its
+functions, classes and values) reach into the sandbox, as proxies
+(``python_plugins/code_proxies.py``) that return plain values of exact built-in types.
+
+Test expressions come from the dataset, not from the completion, and they run in this
+process: :func:`parse_test` refuses the forms that reach past plain values (attributes starting
+with ``_``, the introspection attributes of frames, generators and code, names starting with
+``__``) and the namespace has no ``getattr``, ``open``, ``eval``, ``__import__`` or module that
+leads to others. This keeps a careless dataset from doing harm; a hostile dataset author could
+still slow a run down (``2 ** 10 ** 10``), as any data pipeline they write could.
 """
 
 from __future__ import annotations
 
 import ast
-import operator
-from collections.abc import Callable
+import bisect
+import builtins
+import cmath
+import collections
+import decimal
+import fractions
+import functools
+import heapq
+import itertools
+import json
+import math
+import random
+import re
+import statistics
+import string
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from functools import lru_cache
+from types import CodeType, SimpleNamespace
 from typing import Any
 
-__all__ = ["Check", "UnverifiableTest", "decode", "parse_test"]
+__all__ = ["BUILTINS", "Test", "UnverifiableTest", "evaluate", "namespace", "parse_test"]
 
-OPERATORS: dict[type[ast.cmpop], Callable[[Any, Any], bool]] = {
-    ast.Eq: operator.eq,
-    ast.NotEq: operator.ne,
-    ast.Lt: operator.lt,
-    ast.LtE: operator.le,
-    ast.Gt: operator.gt,
-    ast.GtE: operator.ge,
-    ast.In: lambda a, b: a in b,
-    ast.NotIn: lambda a, b: a not in b,
-    ast.Is: operator.is_,
-    ast.IsNot: operator.is_not,
+_SAFE_BUILTIN_NAMES = (
+    "abs all any ascii bin bool bytearray bytes callable chr complex dict divmod enumerate filter "
+    "float format frozenset hash hex int isinstance issubclass iter len list map max min next oct "
+    "ord pow range repr reversed round set slice sorted str sum tuple type zip "
+    "ArithmeticError AssertionError AttributeError Exception IndexError KeyError LookupError "
+    "NotImplementedError OverflowError RecursionError RuntimeError StopIteration TypeError "
+    "ValueError ZeroDivisionError"
+).split()
+#: The built-ins a test may use (no ``getattr``, ``open``, ``eval``, ``__import__``...).
+BUILTINS: dict[str, Any] = {name: getattr(builtins, name) for name in _SAFE_BUILTIN_NAMES}
+BUILTINS.update({"True": True, "False": False, "None": None})
+
+_MODULE_NAMES: dict[str, Any] = {
+    "math": (math, None),
+    "cmath": (cmath, None),
+    "itertools": (itertools, None),
+    "statistics": (
+        statistics,
+        "mean median median_low median_high mode multimode pstdev pvariance "
+        "stdev variance fmean geometric_mean harmonic_mean quantiles",
+    ),
+    "fractions": (fractions, "Fraction"),
+    "decimal": (decimal, "Decimal"),
+    "functools": (functools, "reduce partial cmp_to_key"),
+    "collections": (collections, "Counter defaultdict OrderedDict deque namedtuple ChainMap"),
+    "heapq": (heapq, "heappush heappop heapify heappushpop heapreplace nlargest nsmallest merge"),
+    "bisect": (bisect, "bisect bisect_left bisect_right insort insort_left insort_right"),
+    "re": (
+        re,
+        "match search fullmatch findall finditer sub subn split compile escape "
+        "I IGNORECASE M MULTILINE S DOTALL X VERBOSE A ASCII",
+    ),
+    "json": (json, "loads dumps"),
+    "string": (
+        string,
+        "ascii_letters ascii_lowercase ascii_uppercase digits hexdigits octdigits "
+        "punctuation printable whitespace",
+    ),
 }
+_RANDOM_METHODS = "random randint randrange choice choices shuffle sample uniform gauss seed".split()
+# Attributes that lead from a value to frames, code or globals without an underscore.
+_INTROSPECTION_PREFIXES = ("gi_", "cr_", "ag_", "f_", "tb_", "co_", "func_", "im_")
 
 
 class UnverifiableTest(ValueError):
-    """A test whose verdict could only be computed where the code runs."""
+    """A test that cannot be evaluated safely outside the sandbox."""
+
+
+def _facade(module: Any, names: str | None) -> SimpleNamespace:
+    """``module``'s public functions, classes and constants, and no module it imports."""
+    chosen = names.split() if names else [n for n in dir(module) if not n.startswith("_")]
+    values = {name: getattr(module, name) for name in chosen}
+    return SimpleNamespace(**{k: v for k, v in values.items() if type(v).__name__ != "module"})
+
+
+MODULES: dict[str, SimpleNamespace] = {name: _facade(*spec) for name, spec in _MODULE_NAMES.items()}
 
 
 @dataclass(frozen=True, slots=True)
-class Operand:
-    """A literal (the expected side), or the index of a probe."""
+class Test:
+    """One test: its source and its compiled expression."""
 
-    literal: Any = None
-    probe: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Check:
-    """What to evaluate in the sandbox (``probes``) and how to judge the values."""
-
-    probes: tuple[str, ...]
-    operands: tuple[Operand, ...]
-    operators: tuple[Callable[[Any, Any], bool], ...]
-    #: For a bare ``assert expr`` / ``assert not expr``: the truth the value must have.
-    truth: bool | None = None
-
-    def passed(self, values: list[Any]) -> bool:
-        """The verdict on the probes' values (``values[i]`` for probe ``i``)."""
-        if self.truth is not None:
-            return bool(values[0]) is self.truth
-        resolved = [values[o.probe] if o.probe is not None else o.literal for o in self.operands]
-        return all(op(a, b) for op, a, b in zip(self.operators, resolved, resolved[1:], strict=False))
+    source: str
+    code: CodeType
 
 
-def parse_test(source: str) -> Check:
-    """The check of one test; :class:`UnverifiableTest` for anything but one ``assert`` of
-    the forms above."""
+@lru_cache(maxsize=4096)
+def parse_test(source: str) -> Test:
+    """The test in ``source`` (one ``assert``; its message is ignored), checked and compiled;
+    :class:`UnverifiableTest` says why it is refused."""
     try:
         tree = ast.parse(source)
     except SyntaxError as err:
-        raise UnverifiableTest(f"not Python: {err.msg}") from err
+        raise UnverifiableTest(f"not Python: {err.msg}") from None
     if len(tree.body) != 1 or not isinstance(tree.body[0], ast.Assert):
         raise UnverifiableTest("not a single `assert` statement")
-    test = tree.body[0].test
-    if isinstance(test, ast.Compare):
-        probes: list[str] = []
-        operands = []
-        for node in (test.left, *test.comparators):
-            literal = _literal(node)
-            if literal is not _NOT_LITERAL:
-                operands.append(Operand(literal=literal))
-            else:
-                operands.append(Operand(probe=len(probes)))
-                probes.append(ast.unparse(node))
-        operators = []
-        for op in test.ops:
-            if type(op) not in OPERATORS:
-                raise UnverifiableTest(f"an unknown comparison {type(op).__name__}")
-            operators.append(OPERATORS[type(op)])
-        if not probes:
-            raise UnverifiableTest("compares only literals")
-        return Check(probes=tuple(probes), operands=tuple(operands), operators=tuple(operators))
-    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-        return Check(probes=(ast.unparse(test.operand),), operands=(), operators=(), truth=False)
-    return Check(probes=(ast.unparse(test),), operands=(), operators=(), truth=True)
+    expression = tree.body[0].test
+    for node in ast.walk(expression):
+        _check_node(node)
+    return Test(source=source, code=compile(ast.Expression(expression), "<test>", "eval"))
 
 
-_NOT_LITERAL = object()
+def _check_node(node: ast.AST) -> None:
+    if isinstance(node, ast.Attribute) and (
+        node.attr.startswith("_") or node.attr.startswith(_INTROSPECTION_PREFIXES)
+    ):
+        raise UnverifiableTest(f"reads the attribute `{node.attr}`, which leads past plain values")
+    if isinstance(node, ast.Name) and node.id.startswith("__"):
+        raise UnverifiableTest(f"uses the name `{node.id}`")
+    if isinstance(node, ast.Await | ast.Yield | ast.YieldFrom):
+        raise UnverifiableTest("awaits or yields")
 
 
-def _literal(node: ast.expr) -> Any:
-    try:
-        return ast.literal_eval(node)
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        return _NOT_LITERAL
+def namespace(completion: Mapping[str, Any], entry_points: Iterable[str] = ()) -> dict[str, Any]:
+    """The globals a test is evaluated in: this process's built-ins and modules, then the
+    completion's names (proxies) where the test does not get them from here; ``entry_points``
+    (the record's names of the functions under test) are the completion's even where they
+    shadow one of ours."""
+    scope: dict[str, Any] = dict(completion)
+    scope.update(MODULES)
+    scope["random"] = _random_facade()
+    scope.update({name: value for name, value in BUILTINS.items() if name not in ("True", "False", "None")})
+    for name in entry_points:
+        if name in completion:
+            scope[name] = completion[name]
+    scope["__builtins__"] = BUILTINS
+    return scope
 
 
-def decode(encoded: Any) -> Any:
-    """The value the harness encoded (``[type, data]``); ``ValueError`` for anything else."""
-    if not isinstance(encoded, list) or not encoded or not isinstance(encoded[0], str):
-        raise ValueError(f"not an encoded value: {encoded!r:.80}")
-    kind, data = encoded[0], encoded[1] if len(encoded) > 1 else None
-    match kind:
-        case "none":
-            return None
-        case "bool" if isinstance(data, bool):
-            return data
-        case "int" if isinstance(data, str):
-            return int(data)
-        case "float" if isinstance(data, str):
-            return float(data)
-        case "complex" if isinstance(data, list) and len(data) == 2:
-            return complex(float(data[0]), float(data[1]))
-        case "str" if isinstance(data, str):
-            return data
-        case "bytes" if isinstance(data, str):
-            return bytes.fromhex(data)
-        case "list" | "tuple" | "set" | "frozenset" if isinstance(data, list):
-            items = [decode(item) for item in data]
-            return {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[kind](items)
-        case "dict" if isinstance(data, list):
-            return {decode(pair[0]): decode(pair[1]) for pair in data}
-    raise ValueError(f"not an encoded value: {encoded!r:.80}")
+def _random_facade() -> SimpleNamespace:
+    """A generator of the test's own (seeded as ``random.seed(0)``), not the process's."""
+    generator = random.Random(0)
+    return SimpleNamespace(**{name: getattr(generator, name) for name in _RANDOM_METHODS})
+
+
+def evaluate(test: Test, scope: dict[str, Any]) -> bool:
+    """Whether ``test`` holds in ``scope``. Exceptions raised while evaluating it propagate:
+    the caller decides which fail the test and which the sample."""
+    return bool(eval(test.code, scope))  # the test's own expression, checked by parse_test

@@ -1,43 +1,44 @@
-"""A code-execution reward: run the completion's Python against the record's tests.
+"""Code-execution rewards: run the completion's code against the record's tests.
 
-The completion's code never decides its own score. Each test is an ``assert`` split in two
-(``python_plugins/code_checks.py``): the expressions to evaluate (``add(1, 2)``), sent to the
-code's sandbox, and the expected values with the comparison, kept here. The code runs in a
-fresh, bare interpreter (``python -I -S``, standard library only) under the OS sandbox of
-``rollout_sdk.isolation`` (bubblewrap by default: no network, no view of this machine's files
-or processes, an empty work directory), with limits on CPU time, memory, file size, open files
-and processes, and a wall-clock timeout; the harness (``python_plugins/code_harness.py``) only
-reports the expressions' values as plain data, which are compared here. See
-``docs/security.md``.
+The completion's code never decides its own score. It runs in a fresh, bare interpreter
+(``python -I -S``, standard library only) under the OS sandbox of ``rollout_sdk.isolation``
+(bubblewrap by default: no network, no view of this machine's files or processes, sized tmpfs
+scratch space, a cgroup memory limit where the machine has one), with limits on CPU time,
+memory, file size, open files and processes, and a wall-clock timeout. The harness there
+(``code_harness.py``) only answers requests over a socket the reward holds
+(``code_session.py``); every verdict is computed here:
+
+- :class:`PythonTests`: each test is an ``assert`` evaluated in this process
+  (``code_checks.py``), where the completion's functions are proxies that return plain values
+  (``code_proxies.py``);
+- :class:`StdioTests`: the program reads each case's input and its output is compared here
+  with the expected one, which never enters the sandbox (``code_stdio.py``).
+
+A sample whose code breaks the channel, or whose harness cannot start, fails alone (a
+:class:`rollout_sdk.SampleFailure`, counted in ``reward_failed``); code that crashes, times out
+or runs out of memory fails the tests it had not passed. See ``docs/security.md``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
+import platform
 import re
-import signal
-import subprocess
 import sys
-import tempfile
 from collections.abc import Sequence
-from functools import lru_cache
-from pathlib import Path
 from typing import Any, ClassVar
 
-from python_plugins.code_checks import Check, UnverifiableTest, decode, parse_test
-from rollout_sdk import Reward, Sample
-from rollout_sdk.isolation import Isolation, IsolationError, find_sandbox, interpreter
+from python_plugins.code_checks import UnverifiableTest, evaluate, namespace, parse_test
+from python_plugins.code_proxies import proxies
+from python_plugins.code_session import ChannelBroken, HarnessDidNotStart, Limits, Program, run_stdio_case
+from python_plugins.code_stdio import Comparison, matches, parse_cases
+from rollout_sdk import Reward, Sample, SampleFailure
+from rollout_sdk.isolation import Isolation, IsolationError, find_sandbox
+from rollout_sdk.seccomp import deny_filter
 
-__all__ = ["HarnessFailure", "PythonTests", "extract_code"]
+__all__ = ["CodeReward", "PythonTests", "StdioTests", "extract_code"]
 
-HARNESS = Path(__file__).with_name("code_harness.py")
 FENCED = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.DOTALL)
-
-
-class HarnessFailure(RuntimeError):
-    """The sandboxed harness did not start: the sample fails, it does not score 0."""
 
 
 def extract_code(completion: str) -> str:
@@ -46,10 +47,8 @@ def extract_code(completion: str) -> str:
     return blocks[-1] if blocks else completion
 
 
-class PythonTests(Reward):
-    """The fraction of ``record[tests_key]`` (``assert`` statements, e.g. ``assert f(2) == 4``)
-    that pass after the completion's code ran. Code that does not run, runs out of time or
-    memory, or crashes passes what it passed before."""
+class CodeReward(Reward):
+    """What the code rewards share: the sandbox, the limits, and per-sample failures."""
 
     score_range: ClassVar[tuple[float, float]] = (0.0, 1.0)
 
@@ -59,125 +58,159 @@ class PythonTests(Reward):
         # Wall-clock seconds for the whole program (code and every test).
         timeout_seconds: float = 5.0
         cpu_seconds: int = 2
+        # The program's address space; its cgroup (where there is one) allows this plus
+        # scratch_mb, which covers the tmpfs /tmp and work directory (half each).
         memory_mb: int = 512
-        # The most bytes the program may write to a file, its report included.
+        scratch_mb: int = 64
+        # The most bytes the program may write to one file.
         max_file_bytes: int = 1 << 20
+        # Each value (or output) the program sends back: its encoded size and its items.
+        max_value_bytes: int = 1 << 20
+        max_value_items: int = 100_000
+        # Calls into the completion's code per sample (each a round trip).
+        max_calls: int = 10_000
         # "bubblewrap" (an OS sandbox; the run refuses to start without one) or
         # "rlimits-only" (an explicit opt-out: resource limits only, no isolation).
         isolation: Isolation = "bubblewrap"
+        # "auto" (a cgroup where the machine offers one), "off", or a delegated cgroup v2
+        # directory to make each program's cgroup in.
+        cgroup: str = "auto"
 
         def __post_init__(self) -> None:
             if self.timeout_seconds <= 0 or self.cpu_seconds < 1 or self.memory_mb < 64:
                 raise ValueError("timeout_seconds must be > 0, cpu_seconds >= 1 and memory_mb >= 64")
+            if self.scratch_mb < 2 or self.max_file_bytes < 1 or self.max_calls < 1:
+                raise ValueError("scratch_mb must be >= 2, max_file_bytes and max_calls >= 1")
+            if self.max_value_bytes < 1024 or self.max_value_items < 1:
+                raise ValueError("max_value_bytes must be >= 1024 and max_value_items >= 1")
             if self.isolation not in ("bubblewrap", "rlimits-only"):
                 raise ValueError("isolation must be 'bubblewrap' or 'rlimits-only'")
 
-    def __init__(self, config: PythonTests.Config) -> None:
+    def __init__(self, config: CodeReward.Config) -> None:
         super().__init__(config)
+        name = type(self).__name__
         try:
-            self.sandbox = find_sandbox(config.isolation)
+            self.sandbox = find_sandbox(config.isolation, cgroup=config.cgroup)
         except IsolationError as err:
-            raise IsolationError(f"PythonTests runs completions only in a sandbox: {err}") from None
-        print(f"PythonTests: completions run under {self.sandbox.describe()}", file=sys.stderr)
-        self.harness = HARNESS.read_text()
+            raise IsolationError(f"{name} runs completions only in a sandbox: {err}") from None
+        seccomp = deny_filter()
+        filtered = (
+            "a seccomp filter" if seccomp else f"no seccomp filter (unknown machine {platform.machine()})"
+        )
+        print(f"{name}: completions run under {self.sandbox.describe()}; {filtered}", file=sys.stderr)
+        self.limits = Limits(
+            timeout_seconds=config.timeout_seconds,
+            cpu_seconds=config.cpu_seconds,
+            memory_mb=config.memory_mb,
+            max_file_bytes=config.max_file_bytes,
+            scratch_mb=config.scratch_mb,
+            max_value_bytes=config.max_value_bytes,
+            max_value_items=config.max_value_items,
+            max_requests=config.max_calls,
+            seccomp=seccomp,
+        )
 
-    def score(self, samples: Sequence[Sample]) -> list[float]:
-        return [self._score(sample) for sample in samples]
+    def score(self, samples: Sequence[Sample]) -> list[float | SampleFailure]:
+        return [self._score_or_fail(sample) for sample in samples]
 
-    def _score(self, sample: Sample) -> float:
-        checks = _checks(self.config.tests_key, sample.record.get(self.config.tests_key))
-        probes = [probe for check in checks for probe in check.probes]
-        values = self.run(extract_code(sample.completion), probes)
-        passed, start = 0, 0
-        for check in checks:
-            end = start + len(check.probes)
-            mine = values[start:end]
-            start = end
-            if len(mine) == len(check.probes) and all(v is not _FAILED for v in mine):
-                try:
-                    passed += check.passed(mine)
-                except Exception:  # comparing values the code returned: only its test fails
-                    continue
-        return passed / len(checks)
-
-    def run(self, code: str, probes: list[str]) -> list[Any]:
-        """Each probe's value, or ``_FAILED`` where it raised, returned something that is not
-        plain data, or never ran (the code exited or was killed before it)."""
-        config = self.config
-        payload = {
-            "code": code,
-            "probes": probes,
-            "limits": {
-                "memory_mb": config.memory_mb,
-                "cpu_seconds": config.cpu_seconds,
-                "max_file_bytes": config.max_file_bytes,
-            },
-        }
-        with tempfile.TemporaryDirectory(prefix="rollout-code-") as root:
-            os.chmod(root, 0o711)  # the sandbox may run as `nobody`: it must reach its directory
-            workdir = Path(root, "work")
-            workdir.mkdir()
-            report, errors = Path(root, "report"), Path(root, "errors")
-            with report.open("w+b") as out, errors.open("w+b") as err:
-                self._execute(json.dumps(payload).encode(), workdir, out, err)
-                out.seek(0)
-                lines = out.read(config.max_file_bytes).decode("utf-8", "replace").splitlines()
-                if not lines or lines[0] != "started":
-                    err.seek(0)
-                    why = err.read(2000).decode("utf-8", "replace").strip() or "no report"
-                    raise HarnessFailure(f"the sandboxed harness did not start: {why}")
-        values = [_value(line) for line in lines[1 : 1 + len(probes)]]
-        return values + [_FAILED] * (len(probes) - len(values))
-
-    def _execute(self, payload: bytes, workdir: Path, out: Any, err: Any) -> None:
-        argv = [interpreter(), "-I", "-S", "-c", self.harness]
-        proc = self.sandbox.popen(argv, workdir, stdin=subprocess.PIPE, stdout=out, stderr=err)
+    def _score_or_fail(self, sample: Sample) -> float | SampleFailure:
+        name = type(self).__name__
         try:
-            proc.communicate(payload, timeout=self.config.timeout_seconds)
-        except subprocess.TimeoutExpired:
-            pass
-        finally:
-            _kill_group(proc)
+            return self.score_sample(sample)
+        except UnverifiableTest as err:
+            return SampleFailure("invalid", f"{name}: {err}")
+        except HarnessDidNotStart as err:
+            return SampleFailure("crashed", f"{name}: {err}")
+        except ChannelBroken as err:
+            return SampleFailure(
+                "crashed", f"{name}: the completion's code broke the harness's channel: {err}"
+            )
+        except OSError as err:  # the sandbox or its cgroup could not be set up for this sample
+            return SampleFailure("crashed", f"{name}: could not start the sandbox: {err}")
+
+    def score_sample(self, sample: Sample) -> float:
+        raise NotImplementedError
 
 
-_FAILED = object()
+class PythonTests(CodeReward):
+    """The fraction of ``record[tests_key]`` (``assert`` statements, e.g. ``assert f(2) == 4``)
+    that hold once the completion's code ran. Code that does not run, runs out of time or
+    memory, or crashes passes the tests it passed before."""
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(CodeReward.Config):
+        # The record's key naming the function(s) under test (HumanEval's `entry_point`): such
+        # names are the completion's even where they shadow a built-in the tests could use.
+        entry_point_key: str = "entry_point"
+
+    def score_sample(self, sample: Sample) -> float:
+        tests = _tests(self.config.tests_key, sample.record.get(self.config.tests_key))
+        entry_points = _entry_points(sample.record.get(self.config.entry_point_key))
+        with Program(self.sandbox, self.limits, "functions", extract_code(sample.completion)) as program:
+            scope = namespace(proxies(program), entry_points)
+            passed = sum(_holds(test, scope, index) for index, test in enumerate(tests))
+        return passed / len(tests)
 
 
-def _value(line: str) -> Any:
+def _holds(test: Any, scope: dict[str, Any], index: int) -> bool:
     try:
-        status, data = json.loads(line)
-        return decode(data) if status == "ok" else _FAILED
-    except (ValueError, TypeError, KeyError, IndexError, RecursionError, OverflowError):
-        return _FAILED
+        return evaluate(test, scope)
+    except UnverifiableTest as err:
+        raise UnverifiableTest(f"test {index} ({test.source!r:.120}) {err}") from None
+    except ChannelBroken:
+        raise
+    except Exception:  # a wrong value, an exception in the sandbox, a program gone
+        return False
 
 
-@lru_cache(maxsize=4096)
-def _parse(test: str) -> Check:
-    return parse_test(test)
-
-
-def _checks(key: str, tests: Any) -> list[Check]:
+def _tests(key: str, tests: Any) -> list[Any]:
     if isinstance(tests, str):
         tests = [tests]
     if not isinstance(tests, list) or not tests or not all(isinstance(t, str) for t in tests):
         raise KeyError(f"PythonTests: the record's `{key}` must be a non-empty list of test strings")
-    checks = []
+    parsed = []
     for index, test in enumerate(tests):
         try:
-            checks.append(_parse(test))
+            parsed.append(parse_test(test))
         except UnverifiableTest as err:
             raise UnverifiableTest(
-                f"PythonTests: test {index} ({test!r:.120}) {err}; write each test as one `assert` "
-                "comparing expressions with literals (e.g. `assert f(2) == 4`), or asserting one "
-                "expression true or false, so its verdict is computed outside the sandbox"
+                f"test {index} ({test!r:.120}) {err}; write each test as one `assert` of an "
+                "expression (e.g. `assert f(2) == 4`)"
             ) from None
-    return checks
+    return parsed
 
 
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    """Kill the program (bubblewrap takes the sandbox with it) and reap it."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
+def _entry_points(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and all(isinstance(name, str) for name in value):
+        return value
+    return []
+
+
+class StdioTests(CodeReward):
+    """The fraction of ``record[tests_key]`` cases (an input and the output expected) whose
+    output the completion's program prints, reading the input on standard input (the APPS /
+    Codeforces style). A program that raises or exits non-zero fails its case."""
+
+    @dataclasses.dataclass(kw_only=True, slots=True)
+    class Config(CodeReward.Config):
+        # How printed and expected output are compared: "tokens", "lines" or "exact".
+        compare: Comparison = "lines"
+
+        def __post_init__(self) -> None:
+            CodeReward.Config.__post_init__(self)
+            if self.compare not in ("tokens", "lines", "exact"):
+                raise ValueError("compare must be 'tokens', 'lines' or 'exact'")
+
+    def score_sample(self, sample: Sample) -> float:
+        cases = parse_cases(self.config.tests_key, sample.record.get(self.config.tests_key))
+        passed = 0
+        with Program(self.sandbox, self.limits, "stdio", extract_code(sample.completion)) as program:
+            for case in cases:
+                result = run_stdio_case(program, case.stdin)
+                if result is None:
+                    break
+                printed, outcome = result
+                passed += outcome == "exited" and matches(printed, case.expected, self.config.compare)
+        return passed / len(cases)

@@ -16,7 +16,7 @@ from rollout_sdk.metrics import StepMetrics
 from rollout_sdk.multi_agent import AgentTurn, JointStepResult, MultiAgentEnvironment
 from rollout_sdk.plugin import Plugin, PluginSpecError, load_plugin, resolve_plugin_class
 from rollout_sdk.policy import Policy
-from rollout_sdk.reward import Reward
+from rollout_sdk.reward import Reward, SampleFailure
 from rollout_sdk.snapshot import HostTensor, TensorFile
 from rollout_sdk.types import (
     DpoObjective,
@@ -65,6 +65,7 @@ __all__ = [
     "Reward",
     "RunInfo",
     "Sample",
+    "SampleFailure",
     "SamplingParams",
     "SftObjective",
     "Sharding",

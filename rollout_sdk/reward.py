@@ -2,18 +2,39 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import ClassVar, Literal, get_args
 
 from rollout_sdk.plugin import Plugin
 from rollout_sdk.types import Sample
 
-__all__ = ["Reward", "check_score_range"]
+__all__ = ["FailureReason", "Reward", "SampleFailure", "check_score_range"]
+
+
+#: Why a sample could not be scored (the engine's failure reasons a reward may give).
+FailureReason = Literal["raised", "timeout", "crashed", "memory", "invalid"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SampleFailure:
+    """Returned by :meth:`Reward.score` in place of one sample's score: that sample could not
+    be scored (its process broke the reward's harness, its record is unusable...). The sample
+    is not trained on, and the failure is counted in the step's metrics (``reward_failed``,
+    by reason and by reward) with ``message`` logged; the other samples score as usual."""
+
+    reason: FailureReason
+    message: str
+
+    def __post_init__(self) -> None:
+        if self.reason not in get_args(FailureReason):
+            raise ValueError(f"SampleFailure reason {self.reason!r} is not one of {get_args(FailureReason)}")
 
 
 class Reward(Plugin):
-    """Scores a batch of samples; must return exactly one finite float per sample.
+    """Scores a batch of samples; must return exactly one finite float (or a
+    :class:`SampleFailure`) per sample.
 
     Several rewards combine by the weights given in the run config. ``score_range`` declares the
     scores a reward gives: the engine clamps every score into it, so that no sample, however
@@ -23,7 +44,7 @@ class Reward(Plugin):
 
     score_range: ClassVar[tuple[float, float]] = (-math.inf, math.inf)
 
-    def score(self, samples: Sequence[Sample]) -> Sequence[float]:
+    def score(self, samples: Sequence[Sample]) -> Sequence[float | SampleFailure]:
         raise NotImplementedError
 
 

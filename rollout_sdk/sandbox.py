@@ -18,7 +18,8 @@ Requests and answers, one JSON object per line::
     {"op": "score", "id": 7, "sample": {"prompt": ..., "completion": ..., "record": {...},
                                         "finish_reason": "stop"}}
     -> {"op": "scored", "id": 7, "scores": [1.0, 0.5]}
-    -> {"op": "failed", "id": 7, "reward": 1, "reason": "raised" | "memory" | "invalid",
+    -> {"op": "failed", "id": 7, "reward": 1, "reason": "raised" | "memory" | "invalid"
+        (or a SampleFailure's "crashed" | "timeout"),
         "message": "...", "traceback": "..."}
 
 An environment worker (``"reward": null`` in its ``load_failed`` and ``failed`` answers)::
@@ -52,7 +53,7 @@ from typing import IO, Any
 from rollout_sdk.config import ConfigError
 from rollout_sdk.environment import Environment
 from rollout_sdk.plugin import load_plugin
-from rollout_sdk.reward import Reward, check_score_range
+from rollout_sdk.reward import Reward, SampleFailure, check_score_range
 from rollout_sdk.seeding import seed_everything
 from rollout_sdk.types import Sample
 
@@ -146,6 +147,9 @@ class Worker:
                 return _failed(call_id, index, "memory", _one_line(err), traceback.format_exc())
             except BaseException as err:
                 return _failed(call_id, index, "raised", _one_line(err), traceback.format_exc())
+            if _is_failure(result):
+                failure = result[0]
+                return _failed(call_id, index, failure.reason, failure.message)
             score = _single_finite(result)
             if isinstance(score, str):
                 return _failed(call_id, index, "invalid", score)
@@ -197,6 +201,11 @@ class Worker:
         if hard != resource.RLIM_INFINITY:
             soft = min(soft, hard)
         resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
+
+
+def _is_failure(result: Any) -> bool:
+    """Whether the reward returned one :class:`SampleFailure` for its one sample."""
+    return isinstance(result, Sequence) and len(result) == 1 and isinstance(result[0], SampleFailure)
 
 
 def _single_finite(result: Any) -> float | str:

@@ -17,6 +17,7 @@ import json
 import math
 import tempfile
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -25,7 +26,7 @@ from rollout_sdk.environment import Environment, StepResult
 from rollout_sdk.multi_agent import AgentTurn, JointStepResult, MultiAgentEnvironment
 from rollout_sdk.plugin import load_plugin
 from rollout_sdk.policy import Policy
-from rollout_sdk.reward import Reward
+from rollout_sdk.reward import Reward, SampleFailure
 from rollout_sdk.snapshot import HostTensor, Snapshot, TensorFile, write_snapshot
 from rollout_sdk.types import (
     Generation,
@@ -59,14 +60,22 @@ def _require(condition: bool, message: str) -> None:
         raise PluginCheckError(message)
 
 
-def check_reward(reward: Reward, samples: Sequence[Sample]) -> list[float]:
-    """Score ``samples`` twice; require one finite float each, the same both times."""
-    first = [float(x) for x in reward.score(samples)]
+def check_reward(reward: Reward, samples: Sequence[Sample]) -> list[float | SampleFailure]:
+    """Score ``samples`` twice; require one finite float (or a :class:`SampleFailure`) each,
+    the same both times."""
+    first = [_score_value(x) for x in reward.score(samples)]
     _require(len(first) == len(samples), f"score returned {len(first)} values for {len(samples)} samples")
-    _require(all(math.isfinite(x) for x in first), f"score returned a non-finite value: {first}")
-    second = [float(x) for x in reward.score(samples)]
+    _require(
+        all(isinstance(x, SampleFailure) or math.isfinite(x) for x in first),
+        f"score returned a non-finite value: {first}",
+    )
+    second = [_score_value(x) for x in reward.score(samples)]
     _require(first == second, "score is not deterministic for the same samples")
     return first
+
+
+def _score_value(value: Any) -> float | SampleFailure:
+    return value if isinstance(value, SampleFailure) else float(value)
 
 
 def check_data_source(source: DataSource, transforms: Sequence[Transform] = ()) -> list[Record]:

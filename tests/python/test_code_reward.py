@@ -6,6 +6,7 @@ unharmed; completions that attack the score itself are in ``test_hostile_complet
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import time
@@ -13,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from python_plugins.code_checks import UnverifiableTest
-from python_plugins.code_reward import HarnessFailure, PythonTests, extract_code
-from rollout_sdk import ConfigError, Sample, load_plugin
+from python_plugins.code_reward import PythonTests, StdioTests, extract_code
+from python_plugins.code_stdio import matches
+from rollout_sdk import ConfigError, Sample, SampleFailure, load_plugin
 from rollout_sdk.isolation import IsolationError, Sandbox
 
 TESTS = ["assert add(1, 2) == 3", "assert add(1, 1) == 2", "assert add(0, 3) == 3"]
@@ -131,9 +132,21 @@ def test_a_record_without_tests_is_an_error(reward: PythonTests) -> None:
         reward.score([Sample(prompt="", completion=GOOD, record={})])
 
 
-def test_a_test_whose_verdict_would_be_the_codes_is_an_error(reward: PythonTests) -> None:
-    with pytest.raises(UnverifiableTest, match="test 1"):
-        score(reward, GOOD, ["assert add(1, 2) == 3", "total = add(1, 2)\nassert total == 3"])
+def test_a_test_that_is_not_one_assert_fails_its_sample_with_the_reason(reward: PythonTests) -> None:
+    (failure,) = reward.score(
+        [Sample(prompt="", completion=GOOD, record={"tests": ["assert add(1, 2) == 3", "total = add(1, 2)"]})]
+    )
+    assert isinstance(failure, SampleFailure) and failure.reason == "invalid"
+    assert "test 1" in failure.message and "not a single `assert`" in failure.message
+
+
+@pytest.mark.parametrize(
+    "test",
+    ["assert add.__globals__", "assert (x for x in [1]).gi_frame.f_back", "assert __import__('os')"],
+)
+def test_a_test_that_reaches_past_plain_values_is_refused(reward: PythonTests, test: str) -> None:
+    (failure,) = reward.score([Sample(prompt="", completion=GOOD, record={"tests": [test]})])
+    assert isinstance(failure, SampleFailure) and failure.reason == "invalid", failure
 
 
 def test_comparisons_chains_and_truth_are_judged_outside(reward: PythonTests) -> None:
@@ -150,13 +163,82 @@ def test_comparisons_chains_and_truth_are_judged_outside(reward: PythonTests) ->
     assert score(reward, code, tests)[0] == pytest.approx(6 / 7)
 
 
+def test_every_public_benchmark_style_is_evaluated_here(reward: PythonTests) -> None:
+    """The styles of HumanEval, MBPP and APPS' call-based tests, evaluated in this process."""
+    code = (
+        "import math\n"
+        "def add(a, b):\n    return a + b\n"
+        "def area(r):\n    return math.pi * r * r\n"
+        "def my_sort(xs, key=None):\n    return sorted(xs, key=key)\n"
+        "def zeros(n):\n    return [0] * n\n"
+        "def big():\n    return 10 ** 5000\n"
+        "def low():\n    return float('-inf')\n"
+    )
+    tests = [
+        "assert add(1, 2) == 3 and add(2, 2) == 4",
+        "assert all(add(a, b) == a + b for a, b in [(1, 2), (3, 4)])",
+        "assert abs(area(2.0) - 12.566) < 1e-3",
+        "assert math.isclose(area(2.0), 12.566, rel_tol=1e-3)",
+        "assert my_sort([3, 1, 2]) == sorted([3, 1, 2])",
+        "assert my_sort(['bb', 'a'], key=len) == ['a', 'bb']",
+        "assert zeros(3) == [0] * 3",
+        "assert set(my_sort([2, 2, 1])) == {1, 2}",
+        "assert big() == 10 ** 5000",
+        "assert low() == float('-inf')",
+        "assert len(zeros(4)) == 4, 'four zeros'",
+    ]
+    assert score(reward, code, tests)[0] == 1.0
+
+
+def test_objects_stay_in_the_sandbox_and_are_used_through_their_methods(reward: PythonTests) -> None:
+    code = (
+        "class Stack:\n"
+        "    def __init__(self):\n        self.items = []\n        self.size = 0\n"
+        "    def push(self, x):\n        self.items.append(x)\n        self.size += 1\n        return self\n"
+        "    def pop(self):\n        self.size -= 1\n        return self.items.pop()\n"
+        "def count(n):\n    yield from range(n)\n"
+        "def twice(f, x):\n    return f(f(x))\n"
+        "def inc(x):\n    return x + 1\n"
+        "def make():\n    return object()\n"
+    )
+    tests = [
+        "assert Stack().push(1).push(2).pop() == 2",
+        "assert Stack().push(5).size == 1",
+        "assert list(count(3)) == [0, 1, 2]",
+        "assert sum(count(4)) == 6 and 2 in count(3)",
+        "assert twice(inc, 1) == 3",
+        "assert make() is not None",
+        "assert make()",  # an object's truth is not decided outside the sandbox
+        "assert make() == make()",
+    ]
+    assert score(reward, code, tests)[0] == pytest.approx(6 / 8)
+
+
+def test_a_function_of_the_test_cannot_be_passed_into_the_sandbox(reward: PythonTests) -> None:
+    code = "def apply(f, x):\n    return f(x)\n"
+    (failure,) = reward.score(
+        [Sample(prompt="", completion=code, record={"tests": ["assert apply(lambda v: v + 1, 1) == 2"]})]
+    )
+    assert isinstance(failure, SampleFailure) and failure.reason == "invalid"
+    assert "test 0" in failure.message and "function" in failure.message
+
+
+def test_the_record_names_the_function_under_test_when_it_shadows_a_builtin(reward: PythonTests) -> None:
+    code = "def sorted(xs):\n    return list(reversed(xs))\n"
+    record = {"tests": ["assert sorted([1, 2]) == [2, 1]"]}
+    (shadowed,) = reward.score([Sample(prompt="", completion=code, record=record)])
+    assert shadowed == 0.0, "without entry_point the test's own sorted is used"
+    (named,) = reward.score([Sample(prompt="", completion=code, record={**record, "entry_point": "sorted"})])
+    assert named == 1.0
+
+
 def test_without_a_sandbox_the_reward_refuses_to_load_unless_opted_out(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from rollout_sdk import isolation
 
     isolation._bubblewrap.cache_clear()
-    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setattr(isolation, "BWRAP_PATHS", ("/nonexistent/bwrap",))
     with pytest.raises(IsolationError, match=r"bubblewrap .* not installed.*rlimits-only"):
         load_plugin("python_plugins.code_reward:PythonTests", {}, PythonTests)
     weaker = load_plugin("python_plugins.code_reward:PythonTests", {"isolation": "rlimits-only"}, PythonTests)
@@ -165,20 +247,78 @@ def test_without_a_sandbox_the_reward_refuses_to_load_unless_opted_out(
     isolation._bubblewrap.cache_clear()
 
 
-def test_a_harness_that_cannot_start_fails_the_sample(
+def test_a_harness_that_cannot_start_fails_only_its_sample(
     reward: PythonTests, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     broken = Sandbox(kind="bubblewrap", program="/bin/false", version="broken")
     monkeypatch.setattr(reward, "sandbox", broken)
-    with pytest.raises(HarnessFailure, match="did not start"):
-        score(reward, GOOD)
+    (failure,) = reward.score([Sample(prompt="", completion=GOOD, record={"tests": TESTS})])
+    assert isinstance(failure, SampleFailure) and failure.reason == "crashed"
+    assert "did not start" in failure.message
 
 
 def test_limits_are_checked() -> None:
+    for options in ({"memory_mb": 1}, {"isolation": "none"}, {"scratch_mb": 0}, {"max_value_bytes": 10}):
+        with pytest.raises(ConfigError):
+            load_plugin("python_plugins.code_reward:PythonTests", options, PythonTests)
     with pytest.raises(ConfigError):
-        load_plugin("python_plugins.code_reward:PythonTests", {"memory_mb": 1}, PythonTests)
-    with pytest.raises(ConfigError):
-        load_plugin("python_plugins.code_reward:PythonTests", {"isolation": "none"}, PythonTests)
+        load_plugin("python_plugins.code_reward:StdioTests", {"compare": "fuzzy"}, StdioTests)
+
+
+STDIO_CASES = [
+    {"input": "1 2\n", "output": "3\n"},
+    {"input": "5 7\n", "output": "12"},
+    {"input": "-3 3\n", "output": "0\n"},
+]
+
+
+@pytest.fixture(scope="module")
+def stdio() -> StdioTests:
+    return load_plugin("python_plugins.code_reward:StdioTests", {"timeout_seconds": TIMEOUT}, StdioTests)
+
+
+@pytest.mark.parametrize(
+    ("code", "expected"),
+    [
+        ("a, b = map(int, input().split())\nprint(a + b)\n", 1.0),
+        (
+            "import sys, os\na, b = map(int, sys.stdin.buffer.read().split())\nos.write(1, b'%d' % (a+b))\n",
+            1.0,
+        ),
+        ("a, b = map(int, open(0).read().split())\nprint(a + b)\nexit()\n", 1.0),
+        ("a, b = map(int, input().split())\nprint(a + b)\nraise SystemExit(1 if a == 5 else 0)\n", 2 / 3),
+        ("a, b = map(int, input().split())\nprint(a - b)\n", 0.0),
+        ("print(3)\nprint(12)\nprint(0)\n", 0.0),
+        ("import time\nif input() == '5 7':\n    time.sleep(60)\nprint(3)\n", 1 / 3),
+    ],
+    ids=[
+        "input",
+        "buffers and fds",
+        "open(0) and exit",
+        "non-zero exit fails",
+        "wrong",
+        "every answer",
+        "timeout",
+    ],
+)
+def test_stdio_programs_are_compared_here(stdio: StdioTests, code: str, expected: float) -> None:
+    (value,) = stdio.score([Sample(prompt="", completion=code, record={"tests": STDIO_CASES})])
+    assert value == pytest.approx(expected)
+
+
+def test_stdio_tests_take_the_public_datasets_forms(stdio: StdioTests) -> None:
+    code = "n = int(input())\nfor i in range(n):\n    print(i)\n"
+    apps = json.dumps({"inputs": ["2\n", "3\n"], "outputs": ["0\n1\n", "0\n1\n2\n"]})
+    contests = {"inputs": ["1\n"], "outputs": [["0"]]}
+    values = stdio.score([Sample(prompt="", completion=code, record={"tests": t}) for t in (apps, contests)])
+    assert values == [1.0, 1.0]
+    with pytest.raises(KeyError, match="as many inputs as outputs"):
+        stdio.score([Sample(prompt="", completion=code, record={"tests": {"inputs": ["1"], "outputs": []}})])
+
+
+def test_stdio_comparisons() -> None:
+    assert matches("1 2\n3", "1  2 3\n", "tokens") and not matches("1 2\n3", "1  2 3\n", "lines")
+    assert matches("a  \nb\n\n", "a\nb", "lines") and not matches("a\nb\n", "a\nb", "exact")
 
 
 def _children() -> set[int]:

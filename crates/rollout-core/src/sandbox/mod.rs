@@ -21,7 +21,7 @@ mod worker;
 
 use crate::roles::RoleError;
 pub use episodes::{EnvironmentPool, EnvironmentPoolSpec, score_failure};
-pub use limits::{FailureCounts, FailureLedger, RunCounts, check_limits};
+pub use limits::{FailureCounts, FailureLedger, RunCounts, check_limits, describe, reason_counts};
 pub use pool::{PoolSpec, SandboxPool};
 
 pub use worker::{

@@ -63,6 +63,10 @@ pub enum RaisedKind {
     Raised,
     Memory,
     Invalid,
+    /// A reward's `SampleFailure`: the sample's own process broke (the worker is fine).
+    Crashed,
+    /// A reward's `SampleFailure`: the sample ran out of time (the worker is fine).
+    Timeout,
 }
 
 #[derive(Debug, Deserialize)]

@@ -333,6 +333,8 @@ fn checked(id: u64, answer: Answer) -> Result<Answer, CallFailure> {
                 RaisedKind::Raised => (FailureReason::Raised, false),
                 RaisedKind::Invalid => (FailureReason::Invalid, false),
                 RaisedKind::Memory => (FailureReason::Memory, true),
+                RaisedKind::Crashed => (FailureReason::Crashed, false),
+                RaisedKind::Timeout => (FailureReason::Timeout, false),
             };
             Err(CallFailure {
                 failure: SampleFailure {

@@ -206,7 +206,7 @@ fn packing_efficiency(line: &mut StepMetrics, packing: &PackingStats) {
 }
 
 /// `reward_mean`, `reward_std` and `reward/<name>` over the samples that were scored, and
-/// the samples whose reward failed, by reason (failed episodes are not scored: they are
+/// the samples whose reward failed, by reason and by reward (`reward_failed/<name>`) (failed episodes are not scored: they are
 /// counted in `environment_failed`).
 fn rewards_and_failures(
     line: &mut StepMetrics,
@@ -230,6 +230,13 @@ fn rewards_and_failures(
             format!("reward/{}", component.name),
             mean(&scored(&component.scores)),
         );
+        let failed = failures
+            .iter()
+            .flatten()
+            .filter(|failure| failure.reward.as_deref() == Some(component.name.as_str()))
+            .count();
+        line.measured
+            .insert(format!("reward_failed/{}", component.name), failed as f64);
     }
     let count = failure_counter(failures, false);
     line.reward_failed = Some(count(None));

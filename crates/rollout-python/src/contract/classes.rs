@@ -222,6 +222,13 @@ sdk_classes! {
         pub forward_seconds: f64,
     }
 
+    /// A reward's verdict that one sample could not be scored (`rollout_sdk.reward`).
+    #[derive(Debug)]
+    from_python struct SampleFailure {
+        pub reason: String,
+        pub message: String,
+    }
+
     /// An environment's answer to one policy turn.
     #[derive(Debug)]
     from_python struct StepResult {
