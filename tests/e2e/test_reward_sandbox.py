@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.harness import read_jsonl, run, write_toy_config
-from tests.fixtures.sandbox_plugins import BEHAVIOUR, expected_failure
+from tests.fixtures.sandbox_plugins import BEHAVIOUR, PROGRAMS, expected_failure, program_for
 
 STEPS = 4
 
@@ -92,3 +92,33 @@ def test_scores_are_clamped_to_the_rewards_declared_range(tmp_path: Path, proces
     metrics = read_jsonl(tmp_path / "out" / "metrics.jsonl")
     assert len(metrics) == STEPS
     assert all(line["reward/bounded"] == 1.0 and line["reward_mean"] == 1.0 for line in metrics)
+
+
+@pytest.mark.parametrize("processes", [0, 2])
+def test_a_completion_that_breaks_the_code_reward_fails_alone(tmp_path: Path, processes: int) -> None:
+    """`DigitsAsCode` runs a correct, a wrong or a channel-tampering program under bubblewrap,
+    chosen by each completion's first digit: in the interpreter and in the sandbox pool alike,
+    the tampering samples fail (not trained, counted by reason and by reward) and the run goes
+    on with every other sample scored by its tests."""
+    sandbox = {"processes": processes, "max_failed_fraction": 0.9, "max_failed_fraction_per_step": 1.0}
+    config = reward_config(tmp_path, reward="sandbox_plugins:DigitsAsCode", sandbox=sandbox)
+    run(config, timeout=240)
+    samples = read_jsonl(tmp_path / "out" / "samples.jsonl")
+    metrics = read_jsonl(tmp_path / "out" / "metrics.jsonl")
+    assert [line["step"] for line in metrics] == list(range(1, STEPS + 1))
+    firsts = Counter(sample["completion"][:1] for sample in samples)
+    assert firsts["1"] > 0 and firsts["2"] > 0, f"the seed must give both programs: {firsts}"
+    for sample in samples:
+        tampering = program_for(sample["completion"]) == PROGRAMS["2"]
+        failed = sample["failed"]
+        if tampering:
+            assert failed["reason"] == "crashed" and failed["reward"] == "digits_as_code", sample
+            assert "broke the harness's channel" in failed["message"]
+            assert sample["reward"] is None
+        else:
+            assert not failed, sample
+            assert sample["reward"] == (1.0 if sample["completion"][:1] == "1" else 0.0), sample
+    for line in metrics:
+        tampered = sum(s["completion"][:1] == "2" for s in samples if s["step"] == line["step"])
+        assert line["reward_failed_crashed"] == line["reward_failed"] == tampered
+        assert line["reward_failed/digits_as_code"] == tampered

@@ -9,7 +9,7 @@ use std::collections::BTreeSet;
 
 use pyo3::prelude::*;
 use rollout_core::metrics::StepMetrics;
-use rollout_net::messages::{FinishReason, ScoreSample};
+use rollout_net::messages::{FailureReason, FinishReason, ScoreSample};
 use rollout_python::contract::{ClassSpec, FieldSpec, classes};
 use rollout_python::interpreter::{PythonSetup, PythonWorker};
 
@@ -136,4 +136,36 @@ fn samples_sent_to_the_sandbox_have_the_fields_of_the_sdks_sample() {
         .map(|field| field.name.to_owned())
         .collect();
     assert_eq!(sent, sdk);
+}
+
+/// A reward's `SampleFailure` names one of the engine's failure reasons (all but `restarted`,
+/// which only the environment pool gives).
+#[test]
+fn sample_failure_reasons_are_the_engines() {
+    const REASONS: &std::ffi::CStr = c"
+import typing
+
+import rollout_sdk.reward
+
+
+def reasons():
+    return list(typing.get_args(rollout_sdk.reward.FailureReason))
+";
+    let worker = python();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let sdk: Vec<String> = runtime
+        .block_on(worker.run(|py| -> PyResult<Vec<String>> {
+            let module = PyModule::from_code(py, REASONS, c"reasons.py", c"reasons")?;
+            module.getattr("reasons")?.call0()?.extract()
+        }))
+        .unwrap()
+        .unwrap();
+    let engine: Vec<String> = FailureReason::ALL
+        .into_iter()
+        .filter(|reason| *reason != FailureReason::Restarted)
+        .map(|reason| reason.as_str().to_owned())
+        .collect();
+    assert_eq!(sdk, engine);
 }
