@@ -28,7 +28,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from python_plugins.code_checks import UnverifiableTest, evaluate, namespace, parse_test
+from python_plugins.code_checks import Test, UnverifiableTest, evaluate, namespace, parse_test
 from python_plugins.code_proxies import proxies
 from python_plugins.code_session import ChannelBroken, HarnessDidNotStart, Limits, Program, run_stdio_case
 from python_plugins.code_stdio import Comparison, matches, parse_cases
@@ -133,9 +133,11 @@ class CodeReward(Reward):
 
 
 class PythonTests(CodeReward):
-    """The fraction of ``record[tests_key]`` (``assert`` statements, e.g. ``assert f(2) == 4``)
-    that hold once the completion's code ran. Code that does not run, runs out of time or
-    memory, or crashes passes the tests it passed before."""
+    """The fraction of ``record[tests_key]`` that hold once the completion's code ran: each
+    test one ``assert`` (``assert f(2) == 4``), or a program (HumanEval's
+    ``def check(candidate): ...``, called with the record's entry point) that passes when it
+    runs to its end. Code that does not run, runs out of time or memory, or crashes passes the
+    tests it passed before."""
 
     @dataclasses.dataclass(kw_only=True, slots=True)
     class Config(CodeReward.Config):
@@ -148,13 +150,13 @@ class PythonTests(CodeReward):
         entry_points = _entry_points(sample.record.get(self.config.entry_point_key))
         with Program(self.sandbox, self.limits, "functions", extract_code(sample.completion)) as program:
             scope = namespace(proxies(program), entry_points)
-            passed = sum(_holds(test, scope, index) for index, test in enumerate(tests))
+            passed = sum(_holds(test, scope, index, program.deadline) for index, test in enumerate(tests))
         return passed / len(tests)
 
 
-def _holds(test: Any, scope: dict[str, Any], index: int) -> bool:
+def _holds(test: Test, scope: dict[str, Any], index: int, deadline: float) -> bool:
     try:
-        return evaluate(test, scope)
+        return evaluate(test, scope, deadline)
     except UnverifiableTest as err:
         raise UnverifiableTest(f"test {index} ({test.source!r:.120}) {err}") from None
     except ChannelBroken:
@@ -163,7 +165,7 @@ def _holds(test: Any, scope: dict[str, Any], index: int) -> bool:
         return False
 
 
-def _tests(key: str, tests: Any) -> list[Any]:
+def _tests(key: str, tests: Any) -> list[Test]:
     if isinstance(tests, str):
         tests = [tests]
     if not isinstance(tests, list) or not tests or not all(isinstance(t, str) for t in tests):
@@ -175,7 +177,7 @@ def _tests(key: str, tests: Any) -> list[Any]:
         except UnverifiableTest as err:
             raise UnverifiableTest(
                 f"test {index} ({test!r:.120}) {err}; write each test as one `assert` of an "
-                "expression (e.g. `assert f(2) == 4`)"
+                "expression (e.g. `assert f(2) == 4`) or a program of plain statements"
             ) from None
     return parsed
 

@@ -132,12 +132,60 @@ def test_a_record_without_tests_is_an_error(reward: PythonTests) -> None:
         reward.score([Sample(prompt="", completion=GOOD, record={})])
 
 
-def test_a_test_that_is_not_one_assert_fails_its_sample_with_the_reason(reward: PythonTests) -> None:
-    (failure,) = reward.score(
-        [Sample(prompt="", completion=GOOD, record={"tests": ["assert add(1, 2) == 3", "total = add(1, 2)"]})]
-    )
+HUMANEVAL = """
+METADATA = {'author': 'jt', 'dataset': 'test'}
+
+
+def check(candidate):
+    import math
+    assert candidate(1, 2) == 3
+    for a, b in [(2, 2), (0, 5)]:
+        assert math.isclose(candidate(a, b), a + b), "the sum"
+    assert True
+"""
+
+
+def test_humaneval_check_programs_are_run_here_with_the_entry_point(reward: PythonTests) -> None:
+    record = {"tests": HUMANEVAL, "entry_point": "add"}
+    wrong = "def add(a, b):\n    return 3\n"
+    values = reward.score([Sample(prompt="", completion=c, record=record) for c in (GOOD, wrong)])
+    assert values == [1.0, 0.0]
+    (failure,) = reward.score([Sample(prompt="", completion=GOOD, record={"tests": HUMANEVAL})])
     assert isinstance(failure, SampleFailure) and failure.reason == "invalid"
-    assert "test 1" in failure.message and "not a single `assert`" in failure.message
+    assert "names no entry point" in failure.message
+
+
+def test_a_program_of_asserts_passes_when_every_assert_holds(reward: PythonTests) -> None:
+    program = (
+        "total = 0\nfor n in range(4):\n    total += add(n, 1)\nassert total == 10\nassert add(0, 0) == 0\n"
+    )
+    assert score(reward, GOOD, [program, "assert add(1, 1) == 2"])[0] == 1.0
+    assert score(reward, "def add(a, b):\n    return a\n", [program, "assert add(1, 1) == 1"])[0] == 0.5
+
+
+@pytest.mark.parametrize(
+    ("test", "reason"),
+    [
+        ("class Spy:\n    pass\nassert add(1, 2) == 3", "ClassDef"),
+        ("with open('x') as f:\n    assert f", "With"),
+        ("import os\nassert add(1, 2) == 3", None),
+    ],
+)
+def test_a_program_is_held_to_plain_statements_and_pure_modules(
+    reward: PythonTests, test: str, reason: str | None
+) -> None:
+    (value,) = reward.score([Sample(prompt="", completion=GOOD, record={"tests": [test]})])
+    if reason is None:  # `import os` is refused when it runs: the test fails
+        assert value == 0.0
+    else:
+        assert isinstance(value, SampleFailure) and value.reason == "invalid" and reason in value.message
+
+
+def test_a_loop_over_a_huge_returned_value_stops_at_the_deadline(reward: PythonTests) -> None:
+    code = "def count(n):\n    return 10 ** 18\n"
+    value, seconds = score(reward, code, ["assert all(i >= 0 for i in range(count(3)))"])
+    assert value == 0.0
+    assert seconds < BOUND
 
 
 @pytest.mark.parametrize(

@@ -2,9 +2,10 @@
 
 Every test style public code benchmarks use (literal expected values, truth tests wrapping
 comparisons, tolerance checks, expected values computed by a helper, computed literals,
-standard input to standard output) is crossed with every attack strategy (objects equal to
-anything, shadowed built-ins and modules, forged answers on the channel, tampering with the
-channel, exhausting disk, memory, processes or the parent's decoder). Each hostile completion
+HumanEval's ``check(candidate)`` programs, standard input to standard output) is crossed with
+every attack strategy (objects equal to anything, shadowed built-ins and modules, forged
+answers on the channel, tampering with the channel, exhausting disk, memory, processes or the
+parent's decoder). Each hostile completion
 is the style's honest wrong solution plus the attack, so it must score no more than that
 twin (a failed sample counts as nothing), quickly, while the correct solution, scored in the
 same batch, still scores 1. It all runs under the real sandbox (bubblewrap), as in CI.
@@ -28,10 +29,14 @@ BOUND = TIMEOUT + 4.0
 
 @dataclass(frozen=True)
 class Style:
-    tests: list[str] | list[dict[str, str]]
+    tests: str | list[str] | list[dict[str, str]]
     correct: str
     wrong: str
     names: tuple[str, ...] = ()
+    entry_point: str | None = None
+
+    def record(self) -> dict[str, object]:
+        return {"tests": self.tests, **({"entry_point": self.entry_point} if self.entry_point else {})}
 
     @property
     def stdio(self) -> bool:
@@ -89,6 +94,22 @@ STYLES = {
         wrong="def zeros(n):\n    return [1] * n\ndef power(n):\n    return 2 * n\n"
         "def low():\n    return float('inf')\ndef pair():\n    return (2, 1)\n",
         names=("zeros", "power", "low", "pair"),
+    ),
+    "check program (HumanEval)": Style(
+        tests=dedent("""
+            METADATA = {"author": "red team"}
+
+            def check(candidate):
+                import math
+                assert candidate(1, 2) == 3
+                for a, b in [(2, 2), (0, 5)]:
+                    assert math.isclose(candidate(a, b), a + b), "sum"
+                assert abs(candidate(0.5, 0.25) - 0.75) < 1e-9
+        """),
+        correct="def add(a, b):\n    return a + b\n",
+        wrong="def add(a, b):\n    return a - b\n",
+        names=("add",),
+        entry_point="add",
     ),
     "stdin to stdout": Style(
         tests=[
@@ -333,7 +354,7 @@ def test_an_attack_scores_no_more_than_its_honest_wrong_twin(
     completions = [hostile(style, strategy), style.wrong, style.correct]
     started = time.monotonic()
     attack, twin, correct = reward.score(
-        [Sample(prompt="", completion=c, record={"tests": style.tests}) for c in completions]
+        [Sample(prompt="", completion=c, record=style.record()) for c in completions]
     )
     seconds = time.monotonic() - started
     assert worth(attack) <= worth(twin), f"{strategy} on {style_name} scored {attack}, its twin {twin}"
@@ -347,7 +368,7 @@ def test_each_style_tells_the_twin_from_the_correct_solution(
 ) -> None:
     style = STYLES[style_name]
     wrong, correct = rewards[style.stdio].score(
-        [Sample(prompt="", completion=c, record={"tests": style.tests}) for c in (style.wrong, style.correct)]
+        [Sample(prompt="", completion=c, record=style.record()) for c in (style.wrong, style.correct)]
     )
     assert (wrong, correct) == (0.0, 1.0)
 
@@ -355,9 +376,7 @@ def test_each_style_tells_the_twin_from_the_correct_solution(
 def test_tampering_fails_only_the_tampering_sample(rewards: dict[bool, CodeReward]) -> None:
     style = STYLES["literal"]
     tampering = hostile(style, "a 4 GiB length claim")
-    samples = [
-        Sample(prompt="", completion=c, record={"tests": style.tests}) for c in (style.correct, tampering)
-    ]
+    samples = [Sample(prompt="", completion=c, record=style.record()) for c in (style.correct, tampering)]
     neighbour, failed = rewards[False].score(samples)
     assert neighbour == 1.0
     assert isinstance(failed, SampleFailure) and failed.reason == "crashed"
