@@ -92,7 +92,7 @@ pub enum AuthError {
     #[error("the peer does not know the cluster secret")]
     WrongSecret,
     /// The listener answered this side's proof with [`REFUSED`].
-    #[error("the listener refused this process's cluster secret: the secrets differ")]
+    #[error("the listener refused this process's proof: different secrets, or a relay between")]
     SecretRefused,
     #[error("authentication did not finish within {0:?}")]
     Timeout(Duration),

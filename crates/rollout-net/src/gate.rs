@@ -100,7 +100,7 @@ impl Gate {
 
     /// Handshakes under way from `ip`'s source (its IPv6 /64).
     pub fn in_flight_from(&self, ip: IpAddr) -> usize {
-        lock(&self.in_flight).from_source(source_of(ip))
+        lock(&self.in_flight).count_from(source_of(ip))
     }
 
     /// Starts the handshake of an accepted connection, making room for it first: past a

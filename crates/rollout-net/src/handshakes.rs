@@ -150,7 +150,7 @@ impl<T> Handshakes<T> {
     }
 
     /// Handshakes under way from `source` (as [`source_of`] gives it).
-    pub fn from_source(&self, source: IpAddr) -> usize {
+    pub fn count_from(&self, source: IpAddr) -> usize {
         self.per_source.get(&source).copied().unwrap_or(0)
     }
 
@@ -159,7 +159,7 @@ impl<T> Handshakes<T> {
     /// room, for the caller to refuse the new connection.
     pub fn make_room(&mut self, addr: SocketAddr) -> Result<Option<Closed<T>>, Cap> {
         let source = source_of(addr.ip());
-        let cap = if self.from_source(source) >= MAX_HANDSHAKES_PER_SOURCE {
+        let cap = if self.count_from(source) >= MAX_HANDSHAKES_PER_SOURCE {
             Cap::Source(source)
         } else if self.entries.len() >= MAX_HANDSHAKES {
             Cap::All
@@ -191,7 +191,7 @@ impl<T> Handshakes<T> {
             .map(|(index, entry)| (entry.progress.stage(), entry.source, index))
             .filter(|(stage, _, _)| *stage < Stage::Authenticated)
             .min_by_key(|(stage, source, index)| {
-                (*stage, Reverse(self.from_source(*source)), *index)
+                (*stage, Reverse(self.count_from(*source)), *index)
             })
             .map(|(_, _, index)| index)
     }
@@ -355,7 +355,7 @@ mod tests {
             assert!(closed.is_some_and(|handle| handle != lone), "{closed:?}");
             add(&mut table, &format!("10.0.3.{index}"), Stage::Encrypted);
         }
-        let left = |source: usize| table.from_source(format!("10.0.1.{source}").parse().unwrap());
+        let left = |source: usize| table.count_from(format!("10.0.1.{source}").parse().unwrap());
         assert!((0..sources).all(|source| left(source) == 1));
         // Now every source holds one: the oldest goes.
         assert_eq!(closed(&mut table, "10.0.2.1"), Ok(Some(lone)));
@@ -369,17 +369,17 @@ mod tests {
             .map(|_| add(&mut table, "10.0.0.1", Stage::Hello))
             .collect();
         let source: IpAddr = "10.0.0.1".parse().unwrap();
-        assert_eq!(table.from_source(source), MAX_HANDSHAKES_PER_SOURCE);
+        assert_eq!(table.count_from(source), MAX_HANDSHAKES_PER_SOURCE);
         // The other source's idle connection has made less progress, but is not this
         // source's to close: the oldest from this one goes.
         assert_eq!(closed(&mut table, "10.0.0.1"), Ok(Some(handles[0])));
-        assert_eq!(table.from_source(source), MAX_HANDSHAKES_PER_SOURCE - 1);
+        assert_eq!(table.count_from(source), MAX_HANDSHAKES_PER_SOURCE - 1);
         assert_eq!(closed(&mut table, "10.0.0.1"), Ok(None));
         let authenticated = add(&mut table, "10.0.0.1", Stage::Authenticated);
         assert_eq!(closed(&mut table, "10.0.0.1"), Ok(Some(handles[1])));
         table.remove(u64::from(handles[2]));
         table.remove(u64::from(handles[2]));
-        assert_eq!(table.from_source(source), MAX_HANDSHAKES_PER_SOURCE - 2);
+        assert_eq!(table.count_from(source), MAX_HANDSHAKES_PER_SOURCE - 2);
         assert_eq!(table.len(), MAX_HANDSHAKES_PER_SOURCE - 1);
         assert!(
             table
