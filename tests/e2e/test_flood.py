@@ -1,11 +1,13 @@
 """Anyone who can reach the controller's port can open connections; none of them may cost the
-run. A flood of unauthenticated connections (hundreds held open and idle, thousands opened,
-sent garbage or a 4 GiB length claim and closed) against a waiting controller keeps its CPU
-and memory bounded, and the roles started during the flood still join and the run
-completes."""
+run. A flood of unauthenticated connections (hundreds held open and idle from 16 other
+addresses, more than the controller lets authenticate at once; thousands opened from the
+roles' own address, sent garbage or a 4 GiB length claim and closed) against a waiting
+controller keeps its CPU and memory bounded, and the roles started during the flood still
+join and the run completes."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import subprocess
@@ -17,6 +19,9 @@ from harness import ROLLOUT, cluster, finish, free_port, start, wait_for, write_
 
 SECRET = "the flood test's cluster secret"
 HELD = 200
+# The held connections come from 127.0.0.2 to 127.0.0.17 (all loopback on Linux): no one
+# address may hold more than 16 of the controller's 128 handshakes, so 16 fill them.
+HOLDERS = [f"127.0.0.{index}" for index in range(2, 18)]
 CHURNED = 20_000
 FLOOD_SECONDS = 10.0
 CLAIMS_4_GIB = b"RLT\x01\x00\x04\x00\x00" + b"\x00" * 8 + b"\x00\x00\x00\x01\x00\x00\x00\x00"
@@ -68,9 +73,10 @@ class Flood:
         for thread in self.threads:
             thread.join(timeout=30)
 
-    def _connect(self) -> socket.socket | None:
+    def _connect(self, source: str = "127.0.0.1") -> socket.socket | None:
         try:
-            connection = socket.create_connection(("127.0.0.1", self.port), timeout=1)
+            address = ("127.0.0.1", self.port)
+            connection = socket.create_connection(address, timeout=1, source_address=(source, 0))
         except OSError:
             return None
         self.opened += 1
@@ -78,9 +84,10 @@ class Flood:
 
     def _hold(self) -> None:
         held: list[socket.socket] = []
+        sources = itertools.cycle(HOLDERS)
         while not self.stop.is_set():
             while len(held) < HELD and not self.stop.is_set():
-                connection = self._connect()
+                connection = self._connect(next(sources))
                 if connection is None:
                     break
                 connection.setblocking(False)

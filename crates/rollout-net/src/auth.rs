@@ -8,7 +8,9 @@
 //! 2. client -> server: `b"RLTAUTH1"`, its own 32-byte nonce and
 //!    `MAC(key, "client" | server nonce | client nonce)`;
 //! 3. server -> client, only if that MAC is right: `MAC(key, "server" | server nonce | client
-//!    nonce)`, so the client knows the server holds the secret too.
+//!    nonce)`, so the client knows the server holds the secret too; if it is wrong, the
+//!    fixed [`REFUSED`] instead, so that the client can tell a refused secret (final) from a
+//!    connection closed by a busy listener before it answered (worth trying again).
 //!
 //! The MAC is BLAKE3 in keyed mode (a PRF), the key derived from the secret with BLAKE3's
 //! key derivation; comparisons are constant-time (`blake3::Hash`'s equality). Over TLS, both
@@ -24,6 +26,9 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 pub const AUTH_MAGIC: [u8; 8] = *b"RLTAUTH1";
 const NONCE_LEN: usize = 32;
 const MAC_LEN: usize = 32;
+/// What the server answers a wrong proof with: not a MAC (one would match it with
+/// probability 2^-256), and the same whatever the client sent.
+pub const REFUSED: [u8; MAC_LEN] = *b"RLTAUTH1 refused: wrong secret\r\n";
 /// What the server reads from an unauthenticated client, all of it.
 pub const CLIENT_PROOF_LEN: usize = AUTH_MAGIC.len() + NONCE_LEN + MAC_LEN;
 /// The shortest secret accepted.
@@ -86,12 +91,20 @@ pub enum AuthError {
     BadGreeting,
     #[error("the peer does not know the cluster secret")]
     WrongSecret,
+    /// The listener answered this side's proof with [`REFUSED`].
+    #[error("the listener refused this process's proof: different secrets, or a relay between")]
+    SecretRefused,
     #[error("authentication did not finish within {0:?}")]
     Timeout(Duration),
     /// The listener closed the connection before it sent its challenge: it sheds
     /// connections while it is busy, so this one is worth trying again.
     #[error("the listener closed the connection before its challenge: {0}")]
     NoChallenge(std::io::Error),
+    /// The listener closed the connection after its challenge, without answering the proof
+    /// (neither its own proof nor [`REFUSED`]): it also closes handshakes that have made the
+    /// least progress while busy, so this one too is worth trying again.
+    #[error("the listener closed the connection before answering: {0}")]
+    NoAnswer(std::io::Error),
     #[error("connection closed during authentication: {0}")]
     Io(#[from] std::io::Error),
 }
@@ -134,6 +147,10 @@ pub async fn authenticate_client<S: AsyncRead + AsyncWrite + Unpin>(
         let mac: [u8; MAC_LEN] = mac.try_into().map_err(|_| AuthError::BadGreeting)?;
         if key.mac(b"client", &server_nonce, client_nonce, binding) != blake3::Hash::from_bytes(mac)
         {
+            // Best effort: a client that hung up needs no answer.
+            if stream.write_all(&REFUSED).await.is_ok() {
+                let _ = stream.flush().await;
+            }
             return Err(AuthError::WrongSecret);
         }
         let answer = key.mac(b"server", &server_nonce, client_nonce, binding);
@@ -168,9 +185,18 @@ pub async fn authenticate_server<S: AsyncRead + AsyncWrite + Unpin>(
             key.mac(b"client", server_nonce, &client_nonce, binding)
                 .as_bytes(),
         );
-        stream.write_all(&proof).await?;
+        stream
+            .write_all(&proof)
+            .await
+            .map_err(AuthError::NoAnswer)?;
         let mut answer = [0u8; MAC_LEN];
-        stream.read_exact(&mut answer).await?;
+        stream
+            .read_exact(&mut answer)
+            .await
+            .map_err(AuthError::NoAnswer)?;
+        if answer == REFUSED {
+            return Err(AuthError::SecretRefused);
+        }
         if key.mac(b"server", server_nonce, &client_nonce, binding)
             != blake3::Hash::from_bytes(answer)
         {
@@ -219,7 +245,23 @@ mod tests {
             result
         });
         assert!(matches!(s, Err(AuthError::WrongSecret)), "{s:?}");
-        assert!(c.is_err());
+        assert!(matches!(c, Err(AuthError::SecretRefused)), "{c:?}");
+    }
+
+    #[tokio::test]
+    async fn a_listener_that_closes_after_its_challenge_is_worth_trying_again() {
+        // What a busy gate closing a handshake looks like from the connecting side.
+        let (mut a, mut b) = tokio::io::duplex(256);
+        let client = key("correct horse battery staple");
+        let (c, _) = tokio::join!(authenticate_server(&mut b, &client, b"", LIMIT), async {
+            let mut challenge = AUTH_MAGIC.to_vec();
+            challenge.extend_from_slice(&[7; NONCE_LEN]);
+            a.write_all(&challenge).await.unwrap();
+            let mut proof = [0; CLIENT_PROOF_LEN];
+            a.read_exact(&mut proof).await.unwrap();
+            drop(a);
+        });
+        assert!(matches!(c, Err(AuthError::NoAnswer(_))), "{c:?}");
     }
 
     #[tokio::test]

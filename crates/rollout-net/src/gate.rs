@@ -1,27 +1,27 @@
 //! Accepting connections from whoever can reach a port, at a bounded cost. At most
-//! [`MAX_HANDSHAKES`] connections authenticate at once: a new one past that closes the
-//! oldest still authenticating, so connections that sit idle cannot hold the slots a
-//! joining role needs (a real peer finishes in milliseconds; a flood evicts itself). Each
-//! has one deadline for TLS, authentication and greeting together, cut to
-//! [`BUSY_HANDSHAKE_TIMEOUT`] while more than [`BUSY_HANDSHAKES`] are in flight; accept
-//! errors (out of file descriptors) back off instead of spinning, and refusals are logged
-//! at a bounded rate.
+//! [`MAX_HANDSHAKES`] connections authenticate at once, and at most
+//! [`MAX_HANDSHAKES_PER_SOURCE`] from one source address. A new connection past either cap
+//! closes the handshake in that scope that has made the least progress (see
+//! [`crate::handshakes`]), so connections that sit idle cannot hold the slots a joining role
+//! needs, and one that is authenticating is not closed for them. Each has one deadline for
+//! TLS, authentication and greeting together, cut to [`BUSY_HANDSHAKE_TIMEOUT`] while more
+//! than [`BUSY_HANDSHAKES`] are in flight; accept errors (out of file descriptors) back off
+//! instead of spinning, and refusals are logged at a bounded rate.
 
-use std::collections::VecDeque;
 use std::future::Future;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 use tokio::task::{AbortHandle, JoinHandle};
 
 use crate::auth::ClusterKey;
+use crate::handshakes::{Closed, Handshakes, Progress, source_of};
+pub use crate::handshakes::{MAX_HANDSHAKES, MAX_HANDSHAKES_PER_SOURCE, Stage};
 use crate::link::{Link, LinkLimits};
 use crate::messages::Hello;
 
-/// Connections authenticating at once; a new one past this closes the oldest.
-pub const MAX_HANDSHAKES: usize = 128;
 /// Past this many handshakes in flight, new ones get [`BUSY_HANDSHAKE_TIMEOUT`].
 pub const BUSY_HANDSHAKES: usize = 16;
 /// A handshake's deadline while the gate is busy: ample for a peer that means it.
@@ -39,15 +39,8 @@ pub struct Gate {
     hello: Hello,
     limits: LinkLimits,
     label: &'static str,
-    in_flight: Arc<Mutex<InFlight>>,
+    in_flight: Arc<Mutex<Handshakes<AbortHandle>>>,
     refusals: Arc<Mutex<Refusals>>,
-}
-
-/// The handshakes under way, oldest first.
-#[derive(Default)]
-struct InFlight {
-    next: u64,
-    handshakes: VecDeque<(u64, SocketAddr, AbortHandle)>,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -100,60 +93,100 @@ impl Gate {
         })
     }
 
-    /// Starts the handshake of an accepted connection, closing the oldest one under way if
-    /// [`MAX_HANDSHAKES`] are.
-    fn admit<F, Fut>(&self, stream: tokio::net::TcpStream, addr: SocketAddr, on_link: Arc<F>)
+    /// Handshakes under way.
+    pub fn in_flight(&self) -> usize {
+        lock(&self.in_flight).len()
+    }
+
+    /// Handshakes under way from `ip`'s source (its IPv6 /64).
+    pub fn in_flight_from(&self, ip: IpAddr) -> usize {
+        lock(&self.in_flight).count_from(source_of(ip))
+    }
+
+    /// Starts the handshake of an accepted connection, making room for it first: past a
+    /// cap, the handshake with the least progress in that scope is closed, or, where every
+    /// one there is authenticated, this connection is refused before it is sent a byte.
+    fn admit<F, Fut>(&self, stream: TcpStream, addr: SocketAddr, on_link: Arc<F>)
     where
         F: Fn(Link) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = ()> + Send + 'static,
     {
         let mut in_flight = lock(&self.in_flight);
-        if in_flight.handshakes.len() >= MAX_HANDSHAKES
-            && let Some((_, oldest, handshake)) = in_flight.handshakes.pop_front()
-        {
-            handshake.abort();
-            self.refused(
-                Some(oldest),
-                "closed unauthenticated: the oldest of too many connections authenticating",
-            );
+        match in_flight.make_room(addr) {
+            Ok(None) => {}
+            Ok(Some(Closed {
+                addr: closed,
+                stage,
+                cap,
+                handle,
+            })) => {
+                handle.abort();
+                self.refused(
+                    Some(closed),
+                    &format!("closed unauthenticated ({stage}) for a newer one: {cap}"),
+                );
+            }
+            Err(cap) => {
+                drop(in_flight);
+                drop(stream);
+                self.refused(Some(addr), &format!("refused at once: {cap} already"));
+                return;
+            }
         }
-        let deadline = if in_flight.handshakes.len() >= BUSY_HANDSHAKES {
+        let deadline = if in_flight.len() >= BUSY_HANDSHAKES {
             self.limits.handshake_timeout.min(BUSY_HANDSHAKE_TIMEOUT)
         } else {
             self.limits.handshake_timeout
         };
-        let id = in_flight.next;
-        in_flight.next += 1;
-        let gate = self.clone();
+        let (id, progress) = (in_flight.next_id(), Progress::default());
         // The handshake is its own task, so that closing it cannot end an authenticated
-        // link's work (`on_link` runs in a task of its own).
-        let handshake = tokio::spawn(async move {
-            let accepted = Link::accept(stream, &gate.key, &gate.hello, &gate.limits);
-            let accepted = tokio::time::timeout(deadline, accepted).await;
-            lock(&gate.in_flight)
-                .handshakes
-                .retain(|(other, _, _)| *other != id);
-            match accepted {
-                Ok(Ok(link)) => {
-                    tokio::spawn(on_link(link));
-                }
-                Ok(Err(err)) => gate.refused(Some(addr), &err.to_string()),
-                Err(_) => gate.refused(
-                    Some(addr),
-                    &format!("no handshake within {:.0} s", deadline.as_secs_f64()),
-                ),
+        // link's work (`on_link` runs in a task of its own). It removes itself from
+        // `in_flight` once over, which it cannot do before it is inserted (below, under the
+        // same lock).
+        let handshake = tokio::spawn(self.clone().handshake(
+            (stream, addr, id),
+            deadline,
+            progress.clone(),
+            on_link,
+        ));
+        let inserted = in_flight.insert(addr, progress, handshake.abort_handle());
+        debug_assert_eq!(inserted, id);
+    }
+
+    /// One connection's handshake, within `deadline`; an authenticated link goes to
+    /// `on_link`.
+    async fn handshake<F, Fut>(
+        self,
+        (stream, addr, id): (TcpStream, SocketAddr, u64),
+        deadline: Duration,
+        progress: Progress,
+        on_link: Arc<F>,
+    ) where
+        F: Fn(Link) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        let accepted =
+            Link::accept_watched(stream, &self.key, &self.hello, &self.limits, &progress);
+        let accepted = tokio::time::timeout(deadline, accepted).await;
+        lock(&self.in_flight).remove(id);
+        match accepted {
+            Ok(Ok(link)) => {
+                tokio::spawn(on_link(link));
             }
-        });
-        in_flight
-            .handshakes
-            .push_back((id, addr, handshake.abort_handle()));
+            Ok(Err(err)) => self.refused(Some(addr), &err.to_string()),
+            Err(_) => self.refused(
+                Some(addr),
+                &format!(
+                    "no handshake within {:.0} s ({})",
+                    deadline.as_secs_f64(),
+                    progress.stage()
+                ),
+            ),
+        }
     }
 
     fn refused(&self, addr: Option<SocketAddr>, reason: &str) {
-        let mut refusals = self
-            .refusals
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut refusals = lock(&self.refusals);
         if let Some(quiet) = refusals.count(Instant::now()) {
             tracing::warn!(
                 "{}refused {quiet} more connections in the last {} s (not logged one by one)",
@@ -170,6 +203,11 @@ impl Gate {
             }
         }
     }
+
+    /// Connections refused or closed so far, logged or not.
+    pub fn refusals(&self) -> u64 {
+        lock(&self.refusals).total
+    }
 }
 
 /// Refusals in the current log window.
@@ -178,6 +216,8 @@ struct Refusals {
     window: Option<Instant>,
     logged: u32,
     quiet: u64,
+    /// Every refusal since the gate started.
+    total: u64,
 }
 
 impl Refusals {
@@ -192,9 +232,11 @@ impl Refusals {
             closed = (self.quiet > 0).then_some(self.quiet);
             *self = Self {
                 window: Some(now),
+                total: self.total,
                 ..Self::default()
             };
         }
+        self.total += 1;
         self.logged = self.logged.saturating_add(1);
         if self.logged > LOGGED_PER_WINDOW {
             self.quiet += 1;
@@ -204,72 +246,5 @@ impl Refusals {
 }
 
 #[cfg(test)]
-mod tests {
-    #![allow(clippy::unwrap_used)]
-
-    use super::*;
-
-    fn hello(role: &str) -> Hello {
-        Hello {
-            role: role.into(),
-            name: role.into(),
-            version: "test".into(),
-            credits: 4,
-            info: serde_json::Value::Null,
-        }
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn idle_connections_holding_every_slot_do_not_keep_a_peer_out() {
-        let key = ClusterKey::from_secret(ClusterKey::random_secret().as_bytes()).unwrap();
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap().to_string();
-        let (joined, mut links) = tokio::sync::mpsc::channel(1);
-        let gate = Gate::new(key.clone(), hello("controller"), LinkLimits::default(), "");
-        let serving = gate.clone().serve(listener, move |link| {
-            let joined = joined.clone();
-            async move {
-                let _ = joined.send(link.peer.name.clone()).await;
-            }
-        });
-        // Every slot taken by a connection that never says a word.
-        let mut idle = Vec::new();
-        for _ in 0..MAX_HANDSHAKES + 10 {
-            idle.push(tokio::net::TcpStream::connect(&addr).await.unwrap());
-        }
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while lock(&gate.in_flight).handshakes.len() < MAX_HANDSHAKES {
-            assert!(
-                Instant::now() < deadline,
-                "the idle connections were not all accepted"
-            );
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        // A real peer gets in at once, well before the idle ones' deadline would free a slot.
-        let started = Instant::now();
-        let link = Link::connect(&addr, &key, &hello("worker"), &LinkLimits::default()).await;
-        assert!(link.is_ok(), "{link:?}");
-        let name = tokio::time::timeout(Duration::from_secs(5), links.recv()).await;
-        assert_eq!(name.unwrap().as_deref(), Some("worker"));
-        assert!(
-            started.elapsed() < BUSY_HANDSHAKE_TIMEOUT,
-            "{:?}",
-            started.elapsed()
-        );
-        assert!(lock(&gate.in_flight).handshakes.len() <= MAX_HANDSHAKES);
-        serving.abort();
-    }
-
-    #[test]
-    fn refusals_past_the_first_few_are_counted_then_summed_up() {
-        let mut refusals = Refusals::default();
-        let start = Instant::now();
-        for _ in 0..LOGGED_PER_WINDOW + 7 {
-            assert_eq!(refusals.count(start), None);
-        }
-        assert_eq!(refusals.quiet, 7);
-        assert_eq!(refusals.count(start + LOG_WINDOW), Some(7));
-        assert_eq!((refusals.logged, refusals.quiet), (1, 0));
-        assert_eq!(refusals.count(start + LOG_WINDOW * 3), None);
-    }
-}
+#[path = "gate_tests.rs"]
+mod tests;

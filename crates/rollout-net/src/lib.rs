@@ -9,6 +9,7 @@
 //! - [`auth`]: the challenge-response every TCP connection passes before a frame is read.
 //! - [`link`]: authenticated TCP connections between roles.
 //! - [`gate`]: accepting such connections from anyone who can reach a port, boundedly.
+//! - `handshakes`: the handshakes under way at a gate, and which one a new connection closes.
 //! - [`rpc`]: calls and answers over a link, with heartbeats and credits.
 //! - [`heard`]: when a connection last delivered a frame.
 //! - [`tls`]: optional encryption of links, bound to the authentication.
@@ -52,6 +53,7 @@
 pub mod auth;
 pub mod frame;
 pub mod gate;
+mod handshakes;
 pub mod heard;
 pub mod link;
 pub mod messages;

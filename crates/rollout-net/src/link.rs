@@ -12,6 +12,7 @@ use tokio_util::codec::Framed;
 
 use crate::auth::{AuthError, ClusterKey, authenticate_client, authenticate_server};
 use crate::frame::{Frame, FrameCodec};
+use crate::handshakes::{Progress, Stage};
 use crate::messages::Hello;
 use crate::payload::BufferPool;
 use crate::tls::{Encryption, Stream as LinkStream};
@@ -145,7 +146,7 @@ impl Link {
             .await
             .map_err(|err| match err {
                 // A busy listener sheds connections before they authenticate: try again.
-                AuthError::NoChallenge(_) | AuthError::Timeout(_) => {
+                AuthError::NoChallenge(_) | AuthError::NoAnswer(_) | AuthError::Timeout(_) => {
                     failed(format!("{err} (the listener may be busy)"))
                 }
                 err => NetError::auth(addr, err),
@@ -160,6 +161,17 @@ impl Link {
         key: &ClusterKey,
         hello: &Hello,
         limits: &LinkLimits,
+    ) -> Result<Self, NetError> {
+        Self::accept_watched(stream, key, hello, limits, &Progress::default()).await
+    }
+
+    /// [`Link::accept`], recording in `progress` how far the handshake has got.
+    pub(crate) async fn accept_watched(
+        stream: TcpStream,
+        key: &ClusterKey,
+        hello: &Hello,
+        limits: &LinkLimits,
+        progress: &Progress,
     ) -> Result<Self, NetError> {
         let peer_addr = stream.peer_addr().map_err(|err| NetError::Handshake {
             peer: "unknown peer".into(),
@@ -176,15 +188,19 @@ impl Link {
             .for_peer(peer_addr.ip())
             .map_err(|err| handshake_failed(err.to_string()))?;
         let (mut stream, binding) = match tls {
-            Some(tls) => tokio::time::timeout(limits.handshake_timeout, tls.accept(stream))
-                .await
-                .map_err(|_| handshake_failed("the TLS handshake timed out".into()))?
-                .map_err(|err| handshake_failed(err.to_string()))?,
+            Some(tls) => {
+                let accepted = tls.accept_watched(stream, progress);
+                tokio::time::timeout(limits.handshake_timeout, accepted)
+                    .await
+                    .map_err(|_| handshake_failed("the TLS handshake timed out".into()))?
+                    .map_err(|err| handshake_failed(err.to_string()))?
+            }
             None => (LinkStream::Plain(stream), Vec::new()),
         };
         authenticate_client(&mut stream, key, &binding, limits.handshake_timeout)
             .await
             .map_err(|err| NetError::auth(&peer, err))?;
+        progress.reach(Stage::Authenticated);
         Self::greet(stream, peer_addr, hello, limits).await
     }
 

@@ -20,8 +20,11 @@ use tokio_rustls::rustls::client::danger::{
 };
 use tokio_rustls::rustls::crypto::{CryptoProvider, ring};
 use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+use tokio_rustls::rustls::server::Acceptor;
 use tokio_rustls::rustls::{ClientConfig, DigitallySignedStruct, ServerConfig, SignatureScheme};
-use tokio_rustls::{TlsAcceptor, TlsConnector};
+use tokio_rustls::{LazyConfigAcceptor, TlsConnector};
+
+use crate::handshakes::{Progress, Stage};
 
 const EXPORTER_LABEL: &[u8] = b"EXPORTER-rollout-cluster-auth";
 const SERVER_NAME: &str = "rollout";
@@ -105,7 +108,7 @@ fn is_loopback(addr: IpAddr) -> bool {
 /// This process's TLS identity and settings, shared by all its links.
 #[derive(Clone)]
 pub struct TlsContext {
-    acceptor: TlsAcceptor,
+    server: Arc<ServerConfig>,
     connector: TlsConnector,
 }
 
@@ -139,18 +142,32 @@ impl TlsContext {
             .with_custom_certificate_verifier(Arc::new(SecretBoundVerifier(provider())))
             .with_no_client_auth();
         Ok(Self {
-            acceptor: TlsAcceptor::from(Arc::new(server)),
+            server: Arc::new(server),
             connector: TlsConnector::from(Arc::new(client)),
         })
     }
 
     /// The server side of a TLS session, and its channel binding.
     pub async fn accept(&self, stream: TcpStream) -> Result<(Stream, Vec<u8>), TlsError> {
-        let stream = self
-            .acceptor
-            .accept(stream)
+        self.accept_watched(stream, &Progress::default()).await
+    }
+
+    /// [`TlsContext::accept`], recording in `progress` when the client's whole ClientHello
+    /// has arrived and when the handshake is done.
+    pub(crate) async fn accept_watched(
+        &self,
+        stream: TcpStream,
+        progress: &Progress,
+    ) -> Result<(Stream, Vec<u8>), TlsError> {
+        let hello = LazyConfigAcceptor::new(Acceptor::default(), stream)
             .await
             .map_err(TlsError::Handshake)?;
+        progress.reach(Stage::Hello);
+        let stream = hello
+            .into_stream(self.server.clone())
+            .await
+            .map_err(TlsError::Handshake)?;
+        progress.reach(Stage::Encrypted);
         let binding = export(|out| {
             stream
                 .get_ref()

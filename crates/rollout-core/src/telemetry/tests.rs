@@ -316,3 +316,81 @@ async fn a_bad_or_busy_address_is_an_error() {
     }
     assert!(start(&MetricsConfig::default()).await.unwrap().is_none());
 }
+
+const SCRAPE: &[u8] = b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+
+/// Waits (5 s at most) for the server to close `stream`, discarding what it sends.
+async fn closed_by_the_server(stream: &mut TcpStream) -> bool {
+    let mut sink = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut sink));
+    read.await.is_ok()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_past_the_cap_close_the_oldest_and_a_scrape_is_answered() {
+    let server = MetricsServer::start("127.0.0.1:0", Telemetry::new())
+        .await
+        .unwrap();
+    let address = server.address();
+    let extra = 8;
+    // Connections that say nothing, or start a request they never finish.
+    let mut held = Vec::new();
+    for index in 0..server::MAX_CONNECTIONS + extra {
+        let mut stream = TcpStream::connect(address).await.unwrap();
+        if index % 2 == 1 {
+            stream.write_all(b"GET /metr").await.unwrap();
+        }
+        held.push(stream);
+        assert!(server.open_connections() <= server::MAX_CONNECTIONS);
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while server.closed_connections() < extra as u64 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the oldest were not closed"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(server.open_connections(), server::MAX_CONNECTIONS);
+    // A scrape still gets its answer at once, closing one more of the held ones.
+    let started = std::time::Instant::now();
+    let answer = exchange(address, SCRAPE).await;
+    assert!(answer.starts_with("HTTP/1.1 200 OK\r\n"), "{answer}");
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(server.closed_connections(), extra as u64 + 1);
+    for stream in held.iter_mut().take(extra + 1) {
+        assert!(closed_by_the_server(stream).await);
+    }
+    assert!(server.open_connections() <= server::MAX_CONNECTIONS);
+}
+
+#[tokio::test]
+async fn a_connection_is_served_for_its_lifetime_at_most() {
+    let limits = server::Limits {
+        lifetime: Duration::from_millis(300),
+        ..server::Limits::default()
+    };
+    let server = MetricsServer::start_with("127.0.0.1:0", Telemetry::new(), limits)
+        .await
+        .unwrap();
+    let address = server.address();
+    // Silent, and kept alive after an answer: both closed well before the header timeout.
+    let mut silent = TcpStream::connect(address).await.unwrap();
+    let mut kept = TcpStream::connect(address).await.unwrap();
+    kept.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(5), kept.read_to_end(&mut answer));
+    assert!(
+        read.await.is_ok(),
+        "a kept-alive connection outlived its lifetime"
+    );
+    assert!(answer.starts_with(b"HTTP/1.1 200 OK\r\n"));
+    assert!(closed_by_the_server(&mut silent).await);
+    assert_eq!(server.closed_connections(), 0);
+}
