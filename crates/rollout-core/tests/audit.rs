@@ -398,3 +398,42 @@ async fn with_strict_data_order_a_dropped_prompt_is_reported_lost_and_never_trai
     }
     assert_eq!(logged.len() + 2, expected.len());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn groups_without_reward_spread_replaced_by_reserve_prompts_are_counted_as_replaced() {
+    let output = tempfile::tempdir().unwrap();
+    // The fake workers answer each prompt with copies of one completion: every group is flat,
+    // and dynamic sampling replaces it with a reserve prompt's group (flat too, and trained).
+    let churn = Churn {
+        pool: pool(
+            &[Behaviour::Healthy; 2],
+            3,
+            &output.path().join("ledger.jsonl"),
+        )
+        .await,
+        stale: never,
+        lost: never,
+    };
+    let extra = "[algorithm]\ndynamic_sampling_rounds = 1";
+    run(
+        &run_config_with(output.path(), 3, extra),
+        Start::Fresh,
+        &churn,
+    )
+    .await;
+    let audited = assert_audit_matches_samples(output.path());
+    let per_run = 3 * u64::from(PROMPTS);
+    assert_eq!(
+        (audited.groups_trained, audited.groups_replaced),
+        (per_run, per_run)
+    );
+    for step in audited.steps.unwrap() {
+        let trained: Vec<u32> = step.trained.iter().map(|t| t.group).collect();
+        assert_eq!(trained, (PROMPTS..2 * PROMPTS).collect::<Vec<_>>());
+        assert!(
+            step.replaced
+                .iter()
+                .all(|r| r.reason == "flat" && r.by == r.group + PROMPTS)
+        );
+    }
+}
