@@ -268,6 +268,10 @@ def kill_summary(kills: dict[str, Any]) -> dict[str, Any]:
         "kills": kills["kills"],
         "groups_lost": kills["audit"]["groups_lost"],
         "groups_duplicated": kills["audit"]["groups_duplicated"],
+        # Apart from the groups trained: replaced by a regeneration, dropped, and requeued.
+        "groups_replaced": kills["audit"].get("groups_replaced", 0),
+        "groups_dropped": kills["audit"].get("groups_dropped", 0),
+        "groups_requeued": kills["audit"].get("groups_requeued", 0),
         "stale_groups_regenerated": kills["stale_groups_regenerated"],
         "stale_groups_dropped": kills["stale_groups_dropped"],
         "staleness_max": kills["staleness_max"],

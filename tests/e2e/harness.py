@@ -342,9 +342,10 @@ def pids(log: Path, role: str) -> list[int]:
     return [int(pid) for pid in re.findall(rf"started {role} \(pid (\d+)\)", log.read_text())]
 
 
-def audit(output: Path) -> dict:
-    """`rollout audit` of a run's output directory: its ledger of prompt groups."""
-    result = rollout("audit", output, check=False, timeout=60)
+def audit(output: Path, *args: str) -> dict:
+    """`rollout audit OUTPUT ARGS...` of a run's output directory: its ledger of prompt groups
+    (with "--groups", each update's groups too)."""
+    result = rollout("audit", output, *args, check=False, timeout=60)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 

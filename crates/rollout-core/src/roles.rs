@@ -12,8 +12,8 @@ use std::path::PathBuf;
 use std::pin::Pin;
 
 use rollout_net::messages::{
-    GenerateRequest, GenerateResponse, ScoreRequest, ScoreResponse, TrainRequest, TrainResponse,
-    ValuesRequest, ValuesResponse, WeightsReport,
+    GenerateRequest, GenerateResponse, GroupRef, ScoreRequest, ScoreResponse, TrainRequest,
+    TrainResponse, ValuesRequest, ValuesResponse, WeightsReport,
 };
 
 use crate::metrics::StepMetrics;
@@ -73,9 +73,14 @@ pub trait Generator: Send + Sync {
     /// checksum. Returns what each generation worker then serves. In-process, the generator
     /// shares the learner's weights and there is nothing to copy.
     fn load_weights(&self, weights: Publication) -> RoleFuture<'_, Vec<WeightsReport>>;
-    /// The update of `step` has been applied: whatever the generator tracks about the
-    /// step's samples is settled. Returns the generator's metrics since the last call.
-    fn step_trained(&self, _step: u64) -> RoleFuture<'_, BTreeMap<String, f64>> {
+    /// The update of `step` has been applied, with the samples of exactly `groups.trained`:
+    /// whatever the generator tracks about the step's groups is settled. Returns the
+    /// generator's metrics since the last call.
+    fn step_trained(
+        &self,
+        _step: u64,
+        _groups: &StepGroups,
+    ) -> RoleFuture<'_, BTreeMap<String, f64>> {
         Box::pin(async { Ok(BTreeMap::new()) })
     }
     /// The learner restarted from the checkpoint of `step`; later updates are undone.
@@ -90,6 +95,79 @@ pub trait Generator: Send + Sync {
     /// Takes back what [`Generator::release_memory`] freed, before the next generation.
     fn restore_memory(&self) -> RoleFuture<'_, ()> {
         Box::pin(async { Ok(()) })
+    }
+}
+
+/// What became of one step's prompt groups: those whose samples went into its update, and
+/// those generated for it that did not (replaced by another group of the step, or dropped).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StepGroups {
+    /// The groups whose samples went into the update, by index, each with its record.
+    pub trained: Vec<GroupRecord>,
+    pub replaced: Vec<ReplacedGroup>,
+    pub dropped: Vec<DroppedGroup>,
+    /// Groups whose record came back from the data queue, and the group it was dropped from.
+    pub redrawn: Vec<(u32, GroupRef)>,
+    /// Generation was leased per episode turn (multi-turn), not per group.
+    pub per_turn: bool,
+}
+
+/// A prompt group of a step and the index of its data record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GroupRecord {
+    pub group: u32,
+    pub record: u64,
+}
+
+/// A group generated but not trained: group `by` of the same step took its place.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReplacedGroup {
+    pub group: u32,
+    pub by: u32,
+    pub reason: ReplaceReason,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplaceReason {
+    /// Generated past `cluster.max_staleness`: generated again on current weights.
+    Stale,
+    /// No reward spread (dynamic sampling): a reserve prompt's group took its place.
+    Flat,
+}
+
+/// A group left out of its step's update, and whether its record went back to the data
+/// queue for a later step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DroppedGroup {
+    pub group: u32,
+    pub record: u64,
+    pub reason: DropReason,
+    pub requeued: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DropReason {
+    /// Still past `cluster.max_staleness` after the last round of regeneration.
+    Stale,
+    /// No answer after `cluster.max_attempts` leases.
+    Attempts,
+}
+
+impl ReplaceReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ReplaceReason::Stale => "stale",
+            ReplaceReason::Flat => "flat",
+        }
+    }
+}
+
+impl DropReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DropReason::Stale => "stale",
+            DropReason::Attempts => "attempts",
+        }
     }
 }
 

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use rollout_core::cluster::ledger::{Ledger, audit};
 use rollout_core::cluster::pool::{PoolSettings, RemoteWorkers};
-use rollout_core::roles::{Generator, Publication, RoleFuture};
+use rollout_core::roles::{Generator, Publication, RoleFuture, StepGroups};
 use rollout_core::train::{Controller, PolicyRoles, Roles, Start, Trainees};
 use rollout_net::ClusterKey;
 use rollout_net::messages::{
@@ -75,8 +75,12 @@ impl Generator for Recording {
         self.record("load_weights");
         self.pool.load_weights(weights)
     }
-    fn step_trained(&self, step: u64) -> RoleFuture<'_, BTreeMap<String, f64>> {
-        self.pool.step_trained(step)
+    fn step_trained(
+        &self,
+        step: u64,
+        groups: &StepGroups,
+    ) -> RoleFuture<'_, BTreeMap<String, f64>> {
+        self.pool.step_trained(step, groups)
     }
     fn release_memory(&self) -> RoleFuture<'_, ()> {
         self.record("release");

@@ -8,7 +8,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use rollout_core::cluster::ledger::{Ledger, audit};
 use rollout_core::cluster::pool::{PoolSettings, RemoteWorkers};
-use rollout_core::roles::{Generator, Publication};
+use rollout_core::roles::{
+    DropReason, DroppedGroup, Generator, GroupRecord, Publication, StepGroups,
+};
 use rollout_core::telemetry::Telemetry;
 use rollout_net::ClusterKey;
 use rollout_net::link::{Link, LinkLimits};
@@ -32,6 +34,19 @@ fn request(step: u64, prompts: u32) -> GenerateRequest {
             })
             .collect(),
         sampling: SamplingParams::plain(4, 7),
+    }
+}
+
+/// Groups `0..count` of a step, all trained (record = index).
+fn all_trained(count: u32) -> StepGroups {
+    StepGroups {
+        trained: (0..count)
+            .map(|group| GroupRecord {
+                group,
+                record: u64::from(group),
+            })
+            .collect(),
+        ..StepGroups::default()
     }
 }
 
@@ -107,7 +122,7 @@ async fn a_worker_lost_mid_request_has_its_groups_generated_by_the_others() {
     let response = workers.generate(request(1, 12)).await.unwrap();
     assert_every_prompt_answered(&response, 12);
     assert_eq!(response.metrics["groups_dropped"], 0.0);
-    let metrics = workers.step_trained(1).await.unwrap();
+    let metrics = workers.step_trained(1, &all_trained(12)).await.unwrap();
     assert_eq!(metrics["workers"], 2.0);
     assert_eq!(metrics["workers_lost"], 1.0);
     // `/metrics` shows who is up and who was lost.
@@ -151,12 +166,12 @@ async fn a_worker_whose_connection_ends_leaves_the_pool_without_being_called() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let metrics = workers.step_trained(1).await.unwrap();
+    let metrics = workers.step_trained(1, &all_trained(0)).await.unwrap();
     assert_eq!((metrics["workers"], metrics["workers_lost"]), (1.0, 1.0));
     let response = workers.generate(request(2, 4)).await.unwrap();
     assert_every_prompt_answered(&response, 4);
     assert_eq!(
-        workers.step_trained(2).await.unwrap()["leases_revoked"],
+        workers.step_trained(2, &all_trained(4)).await.unwrap()["leases_revoked"],
         0.0
     );
 }
@@ -174,7 +189,7 @@ async fn a_worker_that_sends_a_malformed_answer_loses_its_leases_and_its_place()
         let workers = pool(&behaviours, settings, &journal).await;
         let response = workers.generate(request(1, 6)).await.unwrap();
         assert_every_prompt_answered(&response, 6);
-        let metrics = workers.step_trained(1).await.unwrap();
+        let metrics = workers.step_trained(1, &all_trained(6)).await.unwrap();
         let counted = (
             metrics["answers_malformed"],
             metrics["workers"],
@@ -205,7 +220,7 @@ async fn a_worker_past_its_lease_deadline_is_dropped_and_its_groups_leased_again
         .expect("the hung worker's groups must not wait forever")
         .unwrap();
     assert_every_prompt_answered(&response, 6);
-    let metrics = workers.step_trained(1).await.unwrap();
+    let metrics = workers.step_trained(1, &all_trained(6)).await.unwrap();
     assert_eq!((metrics["workers"], metrics["leases_revoked"]), (1.0, 3.0));
 }
 
@@ -217,10 +232,11 @@ async fn groups_are_dropped_after_their_attempts_and_generation_fails_without_wo
         join_timeout: Duration::from_millis(200),
         ..PoolSettings::default()
     };
+    let journal = dir.path().join("ledger.jsonl");
     let workers = pool(
         &[Behaviour::DiesOnRequest, Behaviour::Healthy],
         settings,
-        &dir.path().join("ledger.jsonl"),
+        &journal,
     )
     .await;
     // One lease per group: the dying worker's share is dropped, not generated again.
@@ -228,6 +244,34 @@ async fn groups_are_dropped_after_their_attempts_and_generation_fails_without_wo
     assert_eq!(response.metrics["groups_dropped"], 2.0);
     let empty: Vec<usize> = (0..4).filter(|&i| response.groups[i].is_empty()).collect();
     assert_eq!(empty, vec![0, 2]);
+    let dropped = |group| DroppedGroup {
+        group,
+        record: u64::from(group),
+        reason: DropReason::Attempts,
+        requeued: true,
+    };
+    let step = StepGroups {
+        trained: all_trained(4)
+            .trained
+            .into_iter()
+            .skip(1)
+            .step_by(2)
+            .collect(),
+        dropped: vec![dropped(0), dropped(2)],
+        ..StepGroups::default()
+    };
+    workers.step_trained(1, &step).await.unwrap();
+    // The journal holds the pool's reason; the controller's account makes the audit whole.
+    let journaled = std::fs::read_to_string(&journal).unwrap();
+    assert_eq!(journaled.matches(r#""event":"abandoned""#).count(), 2);
+    let audited = audit(&journal).unwrap();
+    let counts = (
+        audited.groups_trained,
+        audited.groups_dropped_attempts,
+        audited.groups_requeued,
+    );
+    assert_eq!(counts, (2, 2, 2), "{audited:?}");
+    assert_eq!((audited.groups_lost, audited.groups_duplicated), (0, 0));
 
     let workers = pool(
         &[Behaviour::DiesOnRequest],

@@ -76,11 +76,14 @@ pub(crate) enum Command {
         world_size: Option<u32>,
     },
     /// Read a distributed run's ledger (OUTPUT_DIR/ledger.jsonl) and print, as JSON, how many
-    /// prompt groups were trained, lost, trained twice or dropped; exits 1 if any was lost
-    /// or trained twice.
+    /// prompt groups went into the run's updates, were replaced, dropped or requeued, lost
+    /// or trained twice; exits 1 if any was lost or trained twice.
     Audit {
         /// The run's output directory.
         output_dir: PathBuf,
+        /// Also list, step by step, the groups each update trained, replaced and dropped.
+        #[arg(long)]
+        groups: bool,
     },
     /// Predict the peak memory of every process of CONFIG's run and of each device, part by
     /// part, from the config and the models' config.json (nothing is loaded); exits 1 when a

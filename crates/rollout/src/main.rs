@@ -174,7 +174,7 @@ async fn execute(command: Command) -> anyhow::Result<()> {
             rank,
             world_size,
         } => trainer_command(role, rank, world_size).await,
-        Command::Audit { output_dir } => audit_command(&output_dir),
+        Command::Audit { output_dir, groups } => audit_command(&output_dir, groups),
         Command::Plan {
             config,
             overrides,
@@ -259,10 +259,11 @@ async fn trainer_command(
     Ok(crate::processes::trainer::run_trainer(args).await?)
 }
 
-/// `rollout audit`: prints the ledger's audit; fails when a prompt group was lost or
-/// trained twice.
-fn audit_command(output_dir: &Path) -> anyhow::Result<()> {
-    let audit = rollout_core::cluster::ledger::audit(&output_dir.join("ledger.jsonl"))?;
+/// `rollout audit`: prints the ledger's audit (with `groups`, each update's groups); fails
+/// when a prompt group was lost or trained twice.
+fn audit_command(output_dir: &Path, groups: bool) -> anyhow::Result<()> {
+    let journal = output_dir.join("ledger.jsonl");
+    let audit = rollout_core::cluster::ledger::audit_with_steps(&journal, groups)?;
     println!("{}", serde_json::to_string(&audit)?);
     anyhow::ensure!(
         audit.groups_lost == 0 && audit.groups_duplicated == 0,

@@ -1,19 +1,28 @@
-//! The controller's record of every prompt group handed to a generation worker.
+//! The controller's record of every prompt group handed to a generation worker, and of what
+//! became of it.
 //!
 //! A group handed out is a lease (id, worker, attempt, deadline). A worker that is lost or
 //! misses a deadline loses its leases and their groups are leased again; an answer under a
 //! lease that is no longer held is rejected, so no group is generated into a step twice. A
-//! group whose attempts run out is dropped, with the reason. When a step's update is
-//! trained the ledger records which groups went into it; every event is appended to a
-//! journal (JSON lines) that is fsynced at step boundaries, and [`audit`] reads it back.
+//! group whose attempts run out is abandoned, with the reason. When a step's update is
+//! trained the controller tells the ledger exactly which groups went into it, which were
+//! replaced (and by which group) and which were dropped (and whether their record went back
+//! to the data queue). Every event is appended to a journal (JSON lines) that is fsynced at
+//! step boundaries, and [`audit`] reads it back.
+
+mod audit;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::io::{BufRead, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use rollout_net::messages::GroupRef;
 use serde::{Deserialize, Serialize};
+
+use crate::roles::StepGroups;
+
+pub use audit::{Audit, StepAudit, audit, audit_with_steps};
 
 #[derive(Debug, thiserror::Error)]
 pub enum LedgerError {
@@ -54,15 +63,46 @@ pub enum LedgerEvent {
     Rejected {
         lease: u64,
     },
-    /// The group's attempts ran out: its step trains without it.
-    Dropped {
+    /// No answer after the group's last lease: the pool gives up on it (the controller then
+    /// records the group as dropped).
+    Abandoned {
         group: GroupRef,
         reason: String,
     },
-    /// These groups of `step` went into the update of `step`.
+    /// Group `group` of `step` was generated but not trained: group `by` of the same step
+    /// took its place (`reason`: "stale" or "flat").
+    Replaced {
+        step: u64,
+        group: u32,
+        by: u32,
+        reason: String,
+    },
+    /// The group was left out of its step's update (`reason`: "stale" or "attempts"); with
+    /// `requeued`, its record went back to the data queue for a later step. (Journals of
+    /// earlier versions hold the pool's drops here, with the reason in words.)
+    Dropped {
+        group: GroupRef,
+        reason: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        record: Option<u64>,
+        #[serde(default)]
+        requeued: bool,
+    },
+    /// Group `group` of `step` carries the record of group `from`, dropped and requeued.
+    Redrawn {
+        step: u64,
+        group: u32,
+        from: GroupRef,
+    },
+    /// Exactly these groups of `step` (with their records) went into the update of `step`.
     Trained {
         step: u64,
         groups: Vec<u32>,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        records: Vec<u64>,
+        /// Leases were per episode turn: lease indices are not group indices.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        per_turn: bool,
     },
     /// The learner's weights hold the updates up to `step` and no later ones (a resume
     /// from a checkpoint of `step`): what was trained after it was undone.
@@ -225,9 +265,9 @@ impl Ledger {
         Ok(lease)
     }
 
-    /// `group` will not be generated: its step trains without it.
-    pub fn dropped(&mut self, group: GroupRef, reason: &str) -> Result<(), LedgerError> {
-        self.record(LedgerEvent::Dropped {
+    /// `group` got no answer after its last lease: it will not be generated.
+    pub fn abandoned(&mut self, group: GroupRef, reason: &str) -> Result<(), LedgerError> {
+        self.record(LedgerEvent::Abandoned {
             group,
             reason: reason.to_owned(),
         })
@@ -272,26 +312,27 @@ impl Ledger {
         Ok(Some(held.group))
     }
 
-    /// Records that the groups answered for `step` went into its update, and makes the
-    /// journal durable.
-    pub fn trained(&mut self, step: u64) -> Result<Vec<u32>, LedgerError> {
-        let groups: Vec<u32> = self
-            .completed
-            .remove(&step)
-            .unwrap_or_default()
-            .into_iter()
-            .collect();
-        for &index in &groups {
-            if !self.trained.insert(GroupRef { step, index }) {
-                return Err(LedgerError::TrainedTwice { step, index });
+    /// Records what became of the groups of `step` (`groups`: exactly those whose samples
+    /// went into its update, those replaced and those dropped), and makes the journal
+    /// durable.
+    pub fn trained(&mut self, step: u64, groups: &StepGroups) -> Result<(), LedgerError> {
+        self.completed.remove(&step);
+        for trained in &groups.trained {
+            let group = GroupRef {
+                step,
+                index: trained.group,
+            };
+            if !self.trained.insert(group) {
+                return Err(LedgerError::TrainedTwice {
+                    step,
+                    index: trained.group,
+                });
             }
         }
-        self.record(LedgerEvent::Trained {
-            step,
-            groups: groups.clone(),
-        })?;
-        self.sync()?;
-        Ok(groups)
+        for event in step_events(step, groups) {
+            self.record(event)?;
+        }
+        self.sync()
     }
 
     /// The learner restarted from the checkpoint of `step`: later updates are undone.
@@ -314,205 +355,39 @@ impl Ledger {
     }
 }
 
-/// What a journal proves about a run.
-#[derive(Debug, Default, Clone, PartialEq, Eq, Serialize)]
-pub struct Audit {
-    /// Groups whose update stands (not rolled back), once each.
-    pub groups_trained: u64,
-    /// Groups in a standing update more than once.
-    pub groups_duplicated: u64,
-    /// Groups leased for a step whose update stands, but neither trained nor dropped.
-    pub groups_lost: u64,
-    pub groups_dropped: u64,
-    pub leases: u64,
-    pub leases_revoked: u64,
-    pub answers_rejected: u64,
-    pub rollbacks: u64,
-}
-
-/// Reads a journal back and checks that every group of every standing update was trained
-/// exactly once (or dropped with a reason).
-pub fn audit(path: &Path) -> Result<Audit, LedgerError> {
-    let file = std::fs::File::open(path).map_err(|source| LedgerError::Journal {
-        path: path.to_owned(),
-        source,
-    })?;
-    let mut audit = Audit::default();
-    let mut leased: BTreeSet<GroupRef> = BTreeSet::new();
-    let mut dropped: BTreeSet<GroupRef> = BTreeSet::new();
-    let mut trained: BTreeMap<GroupRef, u64> = BTreeMap::new();
-    for (number, line) in std::io::BufReader::new(file).lines().enumerate() {
-        let line = line.map_err(|source| LedgerError::Journal {
-            path: path.to_owned(),
-            source,
-        })?;
-        let entry: Entry = serde_json::from_str(&line).map_err(|err| LedgerError::Corrupt {
-            path: path.to_owned(),
-            line: number + 1,
-            reason: err.to_string(),
-        })?;
-        match entry.event {
-            LedgerEvent::Leased { group, .. } => {
-                audit.leases += 1;
-                leased.insert(group);
-            }
-            LedgerEvent::Revoked { .. } => audit.leases_revoked += 1,
-            LedgerEvent::Rejected { .. } => audit.answers_rejected += 1,
-            LedgerEvent::Dropped { group, .. } => {
-                dropped.insert(group);
-            }
-            LedgerEvent::Trained { step, groups } => {
-                for index in groups {
-                    *trained.entry(GroupRef { step, index }).or_default() += 1;
-                }
-            }
-            LedgerEvent::RolledBack { step } => {
-                audit.rollbacks += 1;
-                trained.retain(|group, _| group.step <= step);
-            }
-            LedgerEvent::Completed { .. } => {}
-        }
-    }
-    let standing: BTreeSet<u64> = trained.keys().map(|group| group.step).collect();
-    audit.groups_trained = trained.len() as u64;
-    audit.groups_duplicated = trained.values().filter(|&&times| times > 1).count() as u64;
-    audit.groups_dropped = dropped.len() as u64;
-    audit.groups_lost = leased
+/// The journal events of what became of the groups of `step`, the update's last.
+fn step_events(step: u64, groups: &StepGroups) -> Vec<LedgerEvent> {
+    let redrawn = groups
+        .redrawn
         .iter()
-        .filter(|group| standing.contains(&group.step))
-        .filter(|group| !trained.contains_key(group) && !dropped.contains(group))
-        .count() as u64;
-    Ok(audit)
+        .map(|&(group, from)| LedgerEvent::Redrawn { step, group, from });
+    let replaced = groups.replaced.iter().map(|r| LedgerEvent::Replaced {
+        step,
+        group: r.group,
+        by: r.by,
+        reason: r.reason.as_str().to_owned(),
+    });
+    let dropped = groups.dropped.iter().map(|d| LedgerEvent::Dropped {
+        group: GroupRef {
+            step,
+            index: d.group,
+        },
+        reason: d.reason.as_str().to_owned(),
+        record: Some(d.record),
+        requeued: d.requeued,
+    });
+    let trained = LedgerEvent::Trained {
+        step,
+        groups: groups.trained.iter().map(|t| t.group).collect(),
+        records: groups.trained.iter().map(|t| t.record).collect(),
+        per_turn: groups.per_turn,
+    };
+    redrawn
+        .chain(replaced)
+        .chain(dropped)
+        .chain(std::iter::once(trained))
+        .collect()
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)]
-mod tests {
-    use super::*;
-
-    const MINUTE: Duration = Duration::from_secs(60);
-
-    fn group(step: u64, index: u32) -> GroupRef {
-        GroupRef { step, index }
-    }
-
-    fn lease(ledger: &mut Ledger, g: GroupRef, worker: &str) -> u64 {
-        ledger.lease(g, worker, 1, Instant::now(), MINUTE).unwrap()
-    }
-
-    #[test]
-    fn a_revoked_lease_is_leased_again_and_its_late_answer_rejected() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("ledger.jsonl");
-        let mut ledger = Ledger::new(Some(&path));
-        let first = lease(&mut ledger, group(1, 0), "worker-0");
-        let other = lease(&mut ledger, group(1, 1), "worker-1");
-        assert_eq!(
-            ledger.revoke(first, "lost").unwrap(),
-            Some(group(1, 0)),
-            "revoking gives the group back"
-        );
-        let second = lease(&mut ledger, group(1, 0), "worker-1");
-        assert!(!ledger.complete(first, Instant::now()).unwrap());
-        assert!(ledger.complete(second, Instant::now()).unwrap());
-        assert!(ledger.complete(other, Instant::now()).unwrap());
-        assert_eq!(ledger.trained(1).unwrap(), vec![0, 1]);
-        let counts = ledger.take_counts();
-        assert_eq!((counts.leased, counts.revoked, counts.rejected), (3, 1, 1));
-
-        let audit = audit(&path).unwrap();
-        assert_eq!(audit.groups_trained, 2);
-        assert_eq!((audit.groups_lost, audit.groups_duplicated), (0, 0));
-        assert_eq!(
-            (audit.leases, audit.leases_revoked, audit.answers_rejected),
-            (3, 1, 1)
-        );
-    }
-
-    #[test]
-    fn a_torn_last_line_is_cut_before_appending() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("ledger.jsonl");
-        let mut ledger = Ledger::new(Some(&path));
-        let id = lease(&mut ledger, group(1, 0), "w");
-        ledger.complete(id, Instant::now()).unwrap();
-        ledger.trained(1).unwrap();
-        drop(ledger);
-        let mut text = std::fs::read(&path).unwrap();
-        text.extend_from_slice(br#"{"at":1.0,"event":"lea"#);
-        std::fs::write(&path, text).unwrap();
-        let mut restarted = Ledger::new(Some(&path));
-        restarted.rolled_back(1).unwrap();
-        let audited = audit(&path).unwrap();
-        assert_eq!((audited.groups_trained, audited.rollbacks), (1, 1));
-    }
-
-    #[test]
-    fn an_answer_after_the_deadline_is_rejected() {
-        let mut ledger = Ledger::new(None);
-        let start = Instant::now();
-        let id = ledger
-            .lease(group(1, 0), "w", 1, start, Duration::from_millis(10))
-            .unwrap();
-        assert!(!ledger.complete(id, start + Duration::from_secs(1)).unwrap());
-    }
-
-    #[test]
-    fn a_group_is_not_completed_twice_into_a_step() {
-        let mut ledger = Ledger::new(None);
-        let a = lease(&mut ledger, group(2, 0), "w0");
-        ledger.revoke(a, "slow").unwrap();
-        let b = lease(&mut ledger, group(2, 0), "w1");
-        let c = lease(&mut ledger, group(2, 0), "w2");
-        assert!(ledger.complete(b, Instant::now()).unwrap());
-        assert!(!ledger.complete(c, Instant::now()).unwrap());
-        assert_eq!(ledger.trained(2).unwrap(), vec![0]);
-    }
-
-    #[test]
-    fn the_audit_finds_lost_and_duplicated_groups_and_honours_rollbacks() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("ledger.jsonl");
-        let mut ledger = Ledger::new(Some(&path));
-        for step in 1..=2 {
-            for index in 0..2 {
-                let id = lease(&mut ledger, group(step, index), "w");
-                if (step, index) != (2, 1) {
-                    ledger.complete(id, Instant::now()).unwrap();
-                }
-            }
-            if step == 1 {
-                ledger
-                    .dropped(group(1, 2), "no answer after 3 leases")
-                    .unwrap();
-            }
-            ledger.trained(step).unwrap();
-        }
-        let audited = audit(&path).unwrap();
-        assert_eq!((audited.groups_trained, audited.groups_lost), (3, 1));
-        assert_eq!(audited.groups_dropped, 1);
-
-        // A restart from the checkpoint of step 1 undoes step 2; training it again is fine.
-        let mut restarted = Ledger::new(Some(&path));
-        restarted.rolled_back(1).unwrap();
-        for index in 0..2 {
-            let id = lease(&mut restarted, group(2, index), "w");
-            restarted.complete(id, Instant::now()).unwrap();
-        }
-        restarted.trained(2).unwrap();
-        let audited = audit(&path).unwrap();
-        assert_eq!(audited.groups_trained, 4);
-        assert_eq!((audited.groups_lost, audited.groups_duplicated), (0, 0));
-        assert_eq!(audited.rollbacks, 1);
-
-        // Without the rollback, the same journal would show step 2 trained twice.
-        let mut text = std::fs::read_to_string(&path).unwrap();
-        text = text
-            .lines()
-            .filter(|line| !line.contains("rolled_back"))
-            .map(|line| format!("{line}\n"))
-            .collect();
-        std::fs::write(&path, text).unwrap();
-        assert_eq!(audit(&path).unwrap().groups_duplicated, 1);
-    }
-}
+mod tests;

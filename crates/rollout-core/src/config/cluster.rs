@@ -38,6 +38,11 @@ pub struct ClusterConfig {
     pub lease_timeout_seconds: f64,
     /// Leases per prompt group before it is dropped from its step.
     pub max_attempts: u32,
+    /// What becomes of the record of a prompt group dropped from its step (no answer after
+    /// `max_attempts` leases, or still past `max_staleness` after regeneration): "requeue"
+    /// (back to the data queue, trained by a later step) or "skip" (strict data order: not
+    /// trained, and `rollout audit` reports it lost).
+    pub dropped_groups: DroppedGroups,
     /// `rollout launch` starts a generation worker that died again, up to this many times
     /// per worker.
     pub max_worker_restarts: u32,
@@ -85,6 +90,7 @@ impl Default for ClusterConfig {
             join_timeout_seconds: 300.0,
             lease_timeout_seconds: 600.0,
             max_attempts: 3,
+            dropped_groups: DroppedGroups::Requeue,
             max_worker_restarts: 100,
             max_run_restarts: 3,
             min_trainers: None,
@@ -97,6 +103,17 @@ impl Default for ClusterConfig {
             devices: None,
         }
     }
+}
+
+/// What becomes of the record of a prompt group dropped from its step.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DroppedGroups {
+    /// Back to the data queue: a later step draws it before fresh records.
+    #[default]
+    Requeue,
+    /// Strict data order: the prompt is not trained (the audit counts it in `prompts_lost`).
+    Skip,
 }
 
 /// How trainer ranks all-reduce gradients.
@@ -117,5 +134,38 @@ impl GradientCompression {
             GradientCompression::Bf16 => "bf16",
             GradientCompression::Powersgd => "powersgd",
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use std::path::Path;
+
+    use super::*;
+    use crate::config::load_text;
+
+    const BASE: &str = "[policy]\nplugin = \"p:P\"\n[data]\nplugin = \"d:D\"\n\
+                        [[rewards]]\nplugin = \"r:R\"\n[cluster]\n";
+
+    fn dropped_groups(line: &str) -> Result<DroppedGroups, String> {
+        load_text(Path::new("run.toml"), format!("{BASE}{line}"), &[])
+            .map(|loaded| loaded.config.cluster.dropped_groups)
+            .map_err(|err| err.to_string())
+    }
+
+    #[test]
+    fn dropped_groups_are_requeued_unless_the_data_order_is_strict() {
+        assert_eq!(dropped_groups(""), Ok(DroppedGroups::Requeue));
+        assert_eq!(
+            dropped_groups("dropped_groups = \"skip\"\n"),
+            Ok(DroppedGroups::Skip)
+        );
+        let err = dropped_groups("dropped_groups = \"requeu\"\n").unwrap_err();
+        assert!(err.starts_with("run.toml:8:18"), "{err}");
+        assert!(err.contains("did you mean `requeue`?"), "{err}");
+        let err = dropped_groups("dropped_groups = true\n").unwrap_err();
+        assert!(err.starts_with("run.toml:8:18"), "{err}");
     }
 }

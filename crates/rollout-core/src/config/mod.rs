@@ -13,7 +13,7 @@ mod validate;
 
 pub use agents::{AgentConfig, AgentSpec};
 pub use algorithm::{AdvantageEstimator, Algorithm, AlgorithmConfig};
-pub use cluster::{ClusterConfig, GradientCompression};
+pub use cluster::{ClusterConfig, DroppedGroups, GradientCompression};
 pub use devices::{
     DeviceAssignment, DeviceEntry, DeviceSpec, DevicesConfig, Misplaced, ProcessDevices,
     VisibleDevices, assign, assign_devices,

@@ -17,10 +17,12 @@ mod checkpoint;
 mod cursor;
 mod micro_batches;
 mod offline;
+mod outcome;
 mod packing;
 mod pipeline;
 mod ppo;
 mod refill;
+mod requeue;
 mod rl_step;
 mod run_output;
 mod sampler;
@@ -55,6 +57,7 @@ pub use checkpoint::{
 pub use cursor::DataCursor;
 pub use micro_batches::{PackingStats, TrainSequence, micro_batches};
 pub use packing::{pack_by_token_budget, padded_tokens};
+pub use requeue::Requeued;
 pub use state::{DataPosition, RunState};
 pub use step_logs::MetricsLog;
 
@@ -309,6 +312,7 @@ impl<'a> Controller<'a> {
         let StepDone {
             mut metrics,
             position,
+            requeued,
             samples,
             span,
         } = done;
@@ -324,6 +328,7 @@ impl<'a> Controller<'a> {
         }
         self.state.step = step;
         self.state.data = position;
+        self.state.requeued = requeued;
         self.state.weight_version = metrics.weight_version;
         if let Some(reward) = metrics.reward_mean {
             self.state.reward_history.push(reward);

@@ -24,6 +24,8 @@ pub(super) struct StepSamples {
     /// The data epoch the step's prompts were drawn in.
     pub epoch: u64,
     pub records: Vec<usize>,
+    /// For the step's first groups: the group whose requeued record each carries.
+    pub redrawn: Vec<rollout_net::messages::GroupRef>,
     pub collected: Result<Collected, RunError>,
     /// The step's span (`--trace`): from the start of its sampling to the end of its update.
     pub span: tracing::Span,

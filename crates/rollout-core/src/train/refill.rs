@@ -8,6 +8,7 @@ use tracing::Instrument;
 use super::RunError;
 use super::sampler::{Collected, Sampler, Trajectory};
 use crate::metrics::merge_metrics;
+use crate::roles::ReplaceReason;
 
 impl Sampler<'_> {
     /// Replaces `collected`'s flat groups with groups of `reserve` records, in rounds.
@@ -18,7 +19,6 @@ impl Sampler<'_> {
         mut reserve: &[usize],
         seed: u64,
     ) -> Result<(), RunError> {
-        let mut next_group = collected.records.len();
         for round in 1..=self.config.algorithm.dynamic_sampling_rounds {
             let flat = flat_groups(collected);
             let count = flat.len().min(reserve.len());
@@ -27,14 +27,15 @@ impl Sampler<'_> {
             }
             let (records, rest) = reserve.split_at(count);
             let round_seed = crate::seeds::mix(seed, u64::from(round));
+            let next_group = collected.next_group();
             let more = self
                 .collect_groups(step, records, next_group, round_seed)
                 .instrument(tracing::info_span!("refill", step, round, groups = count))
                 .await?;
             collected.replace_groups(&flat[..count], more);
+            collected.replaced_by(&flat[..count], next_group, ReplaceReason::Flat);
             collected.refilled_groups += count;
             collected.refill_rounds = round;
-            next_group += count;
             reserve = rest;
         }
         Ok(())
@@ -77,6 +78,9 @@ impl Collected {
             refill_rounds: 0,
             stale_groups_regenerated: 0,
             stale_groups_dropped: 0,
+            generated: Default::default(),
+            replaced: Vec::new(),
+            left_out: Vec::new(),
             generate_seconds: 0.0,
             score_seconds: 0.0,
             generator_metrics: Default::default(),
@@ -102,6 +106,7 @@ impl Collected {
         self.components.extend(more.components);
         self.failures.extend(more.failures);
         self.records = group_records(&self.trajectories);
+        self.generated.extend(more.generated);
         self.generate_seconds += more.generate_seconds;
         self.score_seconds += more.score_seconds;
         let measured = [
@@ -109,6 +114,24 @@ impl Collected {
             more.generator_metrics,
         ];
         self.generator_metrics = merge_metrics(&measured);
+    }
+}
+
+impl Collected {
+    /// The index of the next group generated for the step: past every group generated so
+    /// far, with samples or not.
+    pub(super) fn next_group(&self) -> usize {
+        self.generated.keys().next_back().map_or(0, |last| last + 1)
+    }
+
+    /// Records that `groups` were replaced, in order, by the groups from `first` on.
+    pub(super) fn replaced_by(&mut self, groups: &[usize], first: usize, reason: ReplaceReason) {
+        self.replaced.extend(
+            groups
+                .iter()
+                .enumerate()
+                .map(|(offset, &group)| (group, first + offset, reason)),
+        );
     }
 }
 

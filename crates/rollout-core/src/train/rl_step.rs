@@ -10,13 +10,14 @@ use rollout_net::messages::{
 use serde_json::Value;
 use tracing::Instrument;
 
+use super::outcome;
 use super::pipeline::{Pipeline, StepSamples};
 use super::sampler::{Collected, Sampler};
 use super::step_report::StepReport;
 use super::{Controller, PackingStats, RunError, TrainSequence, micro_batches, ppo};
-use crate::config::{Algorithm, Config};
+use crate::config::{Algorithm, Config, DroppedGroups};
 use crate::metrics::StepMetrics;
-use crate::roles::RoleError;
+use crate::roles::{RoleError, StepGroups};
 
 /// The objective of RL step `step`'s update under `[algorithm]`.
 pub(super) fn rl_objective(config: &Config, step: u64) -> Objective {
@@ -60,19 +61,21 @@ pub(super) fn rl_objective(config: &Config, step: u64) -> Objective {
 
 impl<'a> Controller<'a> {
     /// One RL step: trains on one step's samples (sampling of later steps goes on
-    /// meanwhile) and sends the new weights to the generators; returns the step's metrics
-    /// and the samples to log. `started` is when the previous step ended.
+    /// meanwhile) and sends the new weights to the generators; returns the step's metrics,
+    /// the samples to log and what became of each of the step's groups. `started` is when
+    /// the previous step ended.
     pub(super) async fn rl_step(
         &self,
         sampler: &Sampler<'a>,
         samples: StepSamples,
         pipeline: &mut Pipeline<'a>,
         started: Instant,
-    ) -> Result<(StepMetrics, Vec<Value>), RunError> {
+    ) -> Result<(StepMetrics, Vec<Value>, StepGroups), RunError> {
         let StepSamples {
             step,
             epoch,
             records,
+            redrawn,
             collected,
             ..
         } = samples;
@@ -87,6 +90,9 @@ impl<'a> Controller<'a> {
                 seed,
             )
             .await?;
+        let requeue = self.config.cluster.dropped_groups == DroppedGroups::Requeue;
+        let per_turn = sampler.roles.environments.is_some();
+        let groups = outcome::step_groups(&collected, &redrawn, requeue, per_turn);
 
         let training = Instant::now();
         let (response, packing, learning_rate) =
@@ -110,7 +116,8 @@ impl<'a> Controller<'a> {
             step_seconds: started.elapsed().as_secs_f64(),
             has_environment: sampler.roles.environments.is_some(),
         };
-        Ok(report.into_lines(sampler, self.config.run.log_samples))
+        let (metrics, logged) = report.into_lines(sampler, self.config.run.log_samples);
+        Ok((metrics, logged, groups))
     }
 
     /// Trains on `collected` (sampling of later steps goes on meanwhile), the colocated

@@ -6,6 +6,7 @@
 //! not trained on) when its episode's environment failed in the sandbox, or when a reward
 //! could not score it; a failed episode is not scored.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -19,8 +20,7 @@ use tracing::Instrument;
 use super::advantage::scored_group_advantages;
 use super::{PolicyRoles, RunError};
 use crate::config::Config;
-use crate::roles::EpisodeFailure;
-use crate::roles::Record;
+use crate::roles::{EpisodeFailure, Record, ReplaceReason};
 use crate::sandbox::{FailureCounts, check_limits, score_failure};
 use crate::seeds::mix;
 
@@ -48,6 +48,13 @@ pub(super) struct Collected {
     /// Groups generated again, or left out, for lagging past `cluster.max_staleness`.
     pub stale_groups_regenerated: usize,
     pub stale_groups_dropped: usize,
+    /// Every group generated for the step, by index, with its record: the first ones,
+    /// refills and regenerations (a group the pool dropped has no samples).
+    pub generated: BTreeMap<usize, usize>,
+    /// Groups generated but not trained: `(group, by, why)`, group `by` took its place.
+    pub replaced: Vec<(usize, usize, ReplaceReason)>,
+    /// Groups left out of the step for staleness.
+    pub left_out: Vec<usize>,
     pub generate_seconds: f64,
     pub score_seconds: f64,
     /// The generator's own measurements, merged over the step's generation requests.
@@ -150,7 +157,7 @@ impl<'a> Sampler<'a> {
         let generating = tracing::info_span!("generate", step, groups = records.len());
         let (trajectories, generator_metrics) = match self.roles.environments {
             Some(environments) => {
-                self.run_episodes(environments, step, records, seed)
+                self.run_episodes(environments, step, records, first_group, seed)
                     .instrument(generating)
                     .await?
             }
@@ -180,8 +187,10 @@ impl<'a> Sampler<'a> {
             .await?;
         let rewards = self.rewards(&trajectories, &totals);
         let score_seconds = scoring.elapsed().as_secs_f64();
+        let generated = (first_group..).zip(records.iter().copied()).collect();
         Ok(Collected {
             records: records.to_vec(),
+            generated,
             trajectories,
             completions,
             rewards,

@@ -3,12 +3,14 @@
 //! older version, an answer that was already on its way). Such a group is generated again
 //! on current weights, in up to [`ROUNDS`] rounds; what is still stale after that is left
 //! out of the step. Either way it is counted (`stale_groups_regenerated`,
-//! `stale_groups_dropped`), never a reason to end the run.
+//! `stale_groups_dropped`) and told to the ledger (replaced by which group, or dropped),
+//! never a reason to end the run.
 
 use tracing::Instrument;
 
 use super::RunError;
 use super::sampler::{Collected, Sampler, Trajectory};
+use crate::roles::ReplaceReason;
 
 /// Generation rounds a step spends on replacing its stale groups.
 const ROUNDS: u32 = 3;
@@ -36,12 +38,7 @@ impl Sampler<'_> {
                 break;
             }
             let records = records_of(&collected.trajectories, &groups);
-            let next_group = collected
-                .trajectories
-                .iter()
-                .map(|t| t.group + 1)
-                .max()
-                .unwrap_or(0);
+            let next_group = collected.next_group();
             tracing::warn!(
                 "step {step}: {} groups were generated more than {max_staleness} versions \
                  behind the trainer ({trained_version}); generating them again (round {round})",
@@ -62,6 +59,7 @@ impl Sampler<'_> {
                 ))
                 .await?;
             collected.replace_groups(&groups, more);
+            collected.replaced_by(&groups, next_group, ReplaceReason::Stale);
             collected.stale_groups_regenerated += groups.len();
         }
         leave_out(collected, &stale(collected), step);
@@ -85,6 +83,7 @@ fn leave_out(collected: &mut Collected, groups: &[usize], step: u64) {
             groups.len()
         );
         collected.replace_groups(groups, Collected::empty());
+        collected.left_out.extend_from_slice(groups);
         collected.stale_groups_dropped += groups.len();
     }
 }

@@ -21,6 +21,9 @@ pub struct RunState {
     /// Optimizer updates applied to the policy (SFT and RL).
     pub weight_version: u64,
     pub data: DataPosition,
+    /// Records of dropped groups waiting to be drawn again by a later step.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub requeued: Vec<super::Requeued>,
     pub sft_data: DataPosition,
     pub seed: u64,
     /// Mean reward of every RL step so far, for the run summary.
@@ -39,6 +42,7 @@ impl RunState {
             sft_step: 0,
             weight_version: 0,
             data: DataPosition::default(),
+            requeued: Vec::new(),
             sft_data: DataPosition::default(),
             seed,
             reward_history: Vec::new(),

@@ -10,22 +10,25 @@ use tracing::Instrument;
 
 use super::offline::OfflineData;
 use super::pipeline::{Pipeline, StepSamples};
+use super::requeue::{RequeueQueue, Requeued};
 use super::{Controller, DataCursor, DataPosition, Kind, RunError, Sampler, Team, team};
 use crate::metrics::StepMetrics;
+use crate::roles::StepGroups;
 use crate::seeds::mix;
 
-/// A step trained: its metrics line, where the data cursor stands after it, the samples to
-/// log and its span (`--trace`).
+/// A step trained: its metrics line, where the data cursor stands after it and the records
+/// requeued for later steps, the samples to log and its span (`--trace`).
 pub(super) struct StepDone {
     pub metrics: StepMetrics,
     pub position: DataPosition,
+    pub requeued: Vec<Requeued>,
     pub samples: Vec<Value>,
     pub span: tracing::Span,
 }
 
 /// The state a run's steps carry from one to the next.
 pub(super) enum Steps<'a> {
-    Rl(RlSteps<'a>),
+    Rl(Box<RlSteps<'a>>),
     Offline(OfflineSteps<'a>),
     Team(&'a Team<'a>, DataCursor),
 }
@@ -34,6 +37,8 @@ pub(super) enum Steps<'a> {
 pub(super) struct RlSteps<'a> {
     sampler: Sampler<'a>,
     cursor: DataCursor,
+    /// Dropped groups' records, drawn again before the cursor's.
+    requeue: RequeueQueue,
     pipeline: Pipeline<'a>,
     /// Where the data cursor stood after each started step's prompts were drawn.
     positions: BTreeMap<u64, DataPosition>,
@@ -46,6 +51,31 @@ pub(super) struct OfflineSteps<'a> {
     sampler: Sampler<'a>,
     data: OfflineData,
     cursor: DataCursor,
+}
+
+impl RlSteps<'_> {
+    /// Requeues the records of the groups `step` dropped (to be drawn from step `ready_at`
+    /// on), settles what `step` drew, and counts both in `metrics`. Returns what the
+    /// checkpoint of `step` saves.
+    fn settle_requeue(
+        &mut self,
+        step: u64,
+        groups: &StepGroups,
+        ready_at: u64,
+        metrics: &mut StepMetrics,
+    ) -> Vec<Requeued> {
+        let requeued = self.requeue.requeue_dropped(step, groups, ready_at);
+        self.requeue.settled(step);
+        let measured = [
+            ("groups_requeued", requeued),
+            ("groups_redrawn", groups.redrawn.len()),
+            ("requeue_waiting", self.requeue.waiting()),
+        ];
+        for (name, count) in measured {
+            metrics.measured.insert(name.to_owned(), count as f64);
+        }
+        self.requeue.saved(step)
+    }
 }
 
 impl Steps<'_> {
@@ -90,14 +120,15 @@ impl<'a> Controller<'a> {
             }
         }
         self.sync_generators_now(&sampler).await?;
-        Ok(Steps::Rl(RlSteps {
+        Ok(Steps::Rl(Box::new(RlSteps {
+            requeue: RequeueQueue::new(&self.state.requeued, self.records.len()),
             sampler,
             cursor,
             pipeline: Pipeline::default(),
             positions: BTreeMap::new(),
             next_step: self.state.step + 1,
             last_step_end: Instant::now(),
-        }))
+        })))
     }
 
     /// Makes the run's next step; `None` when there is none left to make.
@@ -117,6 +148,7 @@ impl<'a> Controller<'a> {
                 Ok(Some(StepDone {
                     metrics,
                     position,
+                    requeued: Vec::new(),
                     samples: Vec::new(),
                     span,
                 }))
@@ -143,6 +175,7 @@ impl<'a> Controller<'a> {
                 Ok(Some(StepDone {
                     metrics,
                     position,
+                    requeued: Vec::new(),
                     samples,
                     span,
                 }))
@@ -162,7 +195,7 @@ impl<'a> Controller<'a> {
         };
         let step = sampled.step;
         let span = sampled.span.clone();
-        let (mut metrics, samples) = self
+        let (mut metrics, samples, groups) = self
             .rl_step(&rl.sampler, sampled, &mut rl.pipeline, rl.last_step_end)
             .instrument(span.clone())
             .await?;
@@ -171,13 +204,17 @@ impl<'a> Controller<'a> {
             .sampler
             .roles
             .generator
-            .step_trained(step)
+            .step_trained(step, &groups)
             .instrument(span.clone())
             .await?;
         metrics.measured.extend(pool);
+        // The first step to draw after this update's.
+        let ready_at = step + 1 + self.max_staleness();
+        let requeued = rl.settle_requeue(step, &groups, ready_at, &mut metrics);
         Ok(Some(StepDone {
             metrics,
             position: rl.positions.remove(&step).unwrap_or(self.state.data),
+            requeued,
             samples,
             span,
         }))
@@ -186,7 +223,14 @@ impl<'a> Controller<'a> {
     /// Draws the records of step `rl.next_step` and starts sampling them.
     fn start_sampling(&self, rl: &mut RlSteps<'a>) {
         let step = rl.next_step;
-        let records = rl.cursor.take(self.prompts_drawn_per_step());
+        let drawn = self.prompts_drawn_per_step();
+        // Dropped groups' records first, then fresh ones.
+        let requeued = rl
+            .requeue
+            .draw(step, self.config.rollout.prompts_per_step.min(drawn));
+        let mut records: Vec<usize> = requeued.iter().map(|entry| entry.record).collect();
+        records.extend(rl.cursor.take(drawn - records.len()));
+        let redrawn = requeued.iter().map(|entry| entry.from).collect();
         let position = rl.cursor.position();
         rl.positions.insert(step, position);
         let seed = mix(self.config.run.seed, 1000 + step);
@@ -205,6 +249,7 @@ impl<'a> Controller<'a> {
                 step,
                 epoch: position.epoch,
                 records,
+                redrawn,
                 collected,
                 span,
             }

@@ -68,7 +68,7 @@ impl Shared {
             if attempts[position] > self.settings.max_attempts {
                 if let Some(group) = group {
                     let reason = format!("no answer after {} leases", attempts[position] - 1);
-                    ledger.dropped(group, &reason).map_err(journal_error)?;
+                    ledger.abandoned(group, &reason).map_err(journal_error)?;
                 }
                 dropped.push(position);
                 continue;

@@ -28,7 +28,7 @@ use tokio::sync::{Notify, mpsc};
 
 use super::ledger::{Ledger, LedgerCounts, LedgerError};
 use super::remote::send;
-use crate::roles::{Generator, Publication, RoleError, RoleFuture, Tokenizer};
+use crate::roles::{Generator, Publication, RoleError, RoleFuture, StepGroups, Tokenizer};
 use crate::telemetry::{RoleKind, WorkerHealth};
 use sync::verify;
 
@@ -481,11 +481,16 @@ impl Generator for RemoteWorkers {
         Box::pin(self.shared.load_weights(weights))
     }
 
-    /// Journals the groups of `step` as trained (fsynced) and reports the pool's metrics.
-    fn step_trained(&self, step: u64) -> RoleFuture<'_, BTreeMap<String, f64>> {
-        let trained = lock(&self.shared.ledger).trained(step);
+    /// Journals what became of the groups of `step` (fsynced) and reports the pool's
+    /// metrics.
+    fn step_trained(
+        &self,
+        step: u64,
+        groups: &StepGroups,
+    ) -> RoleFuture<'_, BTreeMap<String, f64>> {
+        let trained = lock(&self.shared.ledger).trained(step, groups);
         let report = self.shared.report();
-        Box::pin(async move { trained.map(|_| report).map_err(journal_error) })
+        Box::pin(async move { trained.map(|()| report).map_err(journal_error) })
     }
 
     fn resumed_from(&self, step: u64) -> RoleFuture<'_, ()> {

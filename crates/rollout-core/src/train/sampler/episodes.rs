@@ -21,6 +21,7 @@ impl Sampler<'_> {
         environments: &dyn Environments,
         step: u64,
         records: &[usize],
+        first_group: usize,
         seed: u64,
     ) -> Result<(Vec<Trajectory>, GeneratorMetrics), RunError> {
         let group_size = self.config.rollout.group_size;
@@ -42,7 +43,14 @@ impl Sampler<'_> {
             .collect();
         let prompts = environments.start(first_id, starts).await?;
         let played = self
-            .play(environments, step, records, seed, &ids, prompts)
+            .play(
+                environments,
+                (step, first_group),
+                records,
+                seed,
+                &ids,
+                prompts,
+            )
             .await;
         // Every episode is finished (released, and failures counted), whatever happened.
         let finished = environments.finish(ids).await;
@@ -52,17 +60,18 @@ impl Sampler<'_> {
     }
 
     /// The turns of started episodes, until each is done, failed or out of turns.
+    /// `groups`: the step and the index of the first group.
     async fn play(
         &self,
         environments: &dyn Environments,
-        step: u64,
+        (step, first_group): (u64, usize),
         records: &[usize],
         seed: u64,
         ids: &[u64],
         prompts: Vec<EpisodeResult<String>>,
     ) -> Result<(Vec<Trajectory>, Vec<GeneratorMetrics>), RunError> {
         let max_turns = self.config.environment.as_ref().map_or(1, |e| e.max_turns);
-        let mut trajectories = self.first_prompts(records, prompts).await?;
+        let mut trajectories = self.first_prompts(records, first_group, prompts).await?;
         let mut live: Vec<usize> = (0..trajectories.len())
             .filter(|&i| trajectories[i].failure.is_none())
             .collect();
@@ -105,10 +114,12 @@ impl Sampler<'_> {
         Ok((trajectories, generator_metrics))
     }
 
-    /// One trajectory per started episode: its first prompt as context, or its failure.
+    /// One trajectory per started episode (of groups `first_group..`): its first prompt as
+    /// context, or its failure.
     async fn first_prompts(
         &self,
         records: &[usize],
+        first_group: usize,
         prompts: Vec<EpisodeResult<String>>,
     ) -> Result<Vec<Trajectory>, RunError> {
         let group_size = self.config.rollout.group_size;
@@ -121,7 +132,7 @@ impl Sampler<'_> {
                 Err(failure) => (Vec::new(), None, Some(failure)),
             };
             trajectories.push(Trajectory {
-                group: index / group_size,
+                group: first_group + index / group_size,
                 record: records[index / group_size],
                 episode_prompt,
                 loss_mask: vec![false; tokens.len()],
@@ -147,6 +158,7 @@ impl Sampler<'_> {
         live: &[usize],
     ) -> Result<GenerateResponse, RunError> {
         let group_size = self.config.rollout.group_size;
+        let max_turns = self.config.environment.as_ref().map_or(1, |e| e.max_turns) as usize;
         let turn_seed = mix(seed, 1 + turn as u64);
         let request = GenerateRequest {
             prompts: live
@@ -162,9 +174,12 @@ impl Sampler<'_> {
                         .map(|&budget| vec![budget])
                         .unwrap_or_default(),
                     seed: Some(mix(turn_seed, i as u64)),
+                    // Each turn of each episode of the step is a unit of its own, also
+                    // across the step's refills and regenerations (later groups).
                     group: Some(GroupRef {
                         step,
-                        index: (turn as usize * trajectories.len() + i) as u32,
+                        index: ((trajectories[i].group * group_size + i % group_size) * max_turns
+                            + turn as usize) as u32,
                     }),
                 })
                 .collect(),
