@@ -187,7 +187,7 @@ def _bubblewrap_command(
     for path in interpreter_paths(argv[0]):
         command += ["--ro-bind", path, path]
     for hidden in _hidden_inside(argv[0]):
-        command += ["--tmpfs", hidden]
+        command += ["--size", "4096", "--perms", "0555", "--tmpfs", hidden]
     for host, inside in files:
         command += ["--ro-bind", host, inside]
     command += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", WORKDIR]

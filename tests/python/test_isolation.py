@@ -108,6 +108,22 @@ def test_only_the_interpreter_and_system_libraries_are_bound() -> None:
             isolation_module._refuse_broad(broad)
 
 
+def test_every_writable_mount_is_sized_and_the_root_is_read_only(reward: PythonTests) -> None:
+    command = reward.sandbox.command([interpreter(), "-c", "pass"], SCRATCH_MB << 20)
+    mounts = [index for index, word in enumerate(command) if word == "--tmpfs"]
+    assert len(mounts) >= 2
+    for index in mounts:
+        assert "--size" in command[index - 4 : index], command[index - 4 : index + 2]
+    assert command[command.index("--remount-ro") : command.index("--remount-ro") + 4] == [
+        "--remount-ro",
+        "/dev",
+        "--remount-ro",
+        "/",
+    ]
+    binds = {command[index + 1] for index, word in enumerate(command) if word == "--ro-bind"}
+    assert "/usr" not in binds and "/" not in binds
+
+
 def test_the_code_sees_no_more_than_it_needs(reward: PythonTests) -> None:
     code = (
         "import os\n"
