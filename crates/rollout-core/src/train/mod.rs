@@ -24,6 +24,7 @@ mod refill;
 mod rl_step;
 mod run_output;
 mod sampler;
+pub mod screen;
 mod sft;
 mod stale;
 mod state;
@@ -53,7 +54,7 @@ pub use checkpoint::{
     Checkpoint, CheckpointError, CheckpointStore, SnapshotFile, SnapshotFiles, verify, write_files,
 };
 pub use cursor::DataCursor;
-pub use micro_batches::{PackingStats, TrainSequence, micro_batches};
+pub use micro_batches::{PackingStats, TrainSequence, laid_out_micro_batches, micro_batches};
 pub use packing::{pack_by_token_budget, padded_tokens};
 pub use state::{DataPosition, RunState};
 pub use step_logs::MetricsLog;

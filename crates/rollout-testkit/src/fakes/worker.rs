@@ -41,14 +41,21 @@ pub enum Malformation {
     ForgedVersion,
     /// A NaN logprob.
     NanLogprob,
+    /// A logprob of -95, finite but below any a sampler gives: `exp(-(-95))` overflows
+    /// float32, so an importance ratio over it would be infinite.
+    PoisonedLogprob,
 }
 
+/// The logprob a [`Malformation::PoisonedLogprob`] worker reports.
+pub const POISONED_LOGPROB: f32 = -95.0;
+
 impl Malformation {
-    pub const ALL: [Malformation; 4] = [
+    pub const ALL: [Malformation; 5] = [
         Self::ShortLogprobs,
         Self::OutOfVocabulary,
         Self::ForgedVersion,
         Self::NanLogprob,
+        Self::PoisonedLogprob,
     ];
 
     fn apply(self, completion: &mut Completion) {
@@ -59,6 +66,7 @@ impl Malformation {
             Self::OutOfVocabulary => completion.token_ids[0] = u32::MAX,
             Self::ForgedVersion => completion.weight_version += 1,
             Self::NanLogprob => completion.logprobs[0] = f32::NAN,
+            Self::PoisonedLogprob => completion.logprobs[0] = POISONED_LOGPROB,
         }
     }
 }
@@ -96,6 +104,7 @@ pub fn seed_answers() -> Answer {
             .map(|p| vec![seed_completion(p); p.n as usize])
             .collect(),
         metrics: Default::default(),
+        producers: Vec::new(),
     })
 }
 
