@@ -182,7 +182,9 @@ def test_a_nan_on_one_rank_drops_the_update_on_every_rank() -> None:
     ranks = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        ranks.append(subprocess.Popen([sys.executable, str(WORKER)], env=env, stdout=subprocess.PIPE, text=True))
+        ranks.append(
+            subprocess.Popen([sys.executable, str(WORKER)], env=env, stdout=subprocess.PIPE, text=True)
+        )
     outputs = []
     for process in ranks:
         stdout, _ = process.communicate(timeout=120)

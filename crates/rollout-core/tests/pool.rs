@@ -9,7 +9,7 @@ use bytes::Bytes;
 use rollout_core::cluster::ledger::{Ledger, audit};
 use rollout_core::cluster::pool::MIN_LOGPROB;
 use rollout_core::cluster::pool::{PoolSettings, RemoteWorkers};
-use rollout_core::roles::{Generator, Publication};
+use rollout_core::roles::{Generator, Publication, Tokenizer};
 use rollout_core::telemetry::Telemetry;
 use rollout_net::ClusterKey;
 use rollout_net::link::{Link, LinkLimits};
@@ -242,6 +242,27 @@ async fn workers_the_trainer_names_are_sent_away_and_generation_goes_on() {
     let response = workers.generate(request(2, 4)).await.unwrap();
     assert_every_prompt_answered(&response, 4);
     assert!(response.producers.iter().all(|p| p == "fake-0"));
+}
+
+#[tokio::test]
+async fn a_tokenizer_answer_outside_the_vocabulary_is_refused_and_asked_elsewhere() {
+    let dir = tempfile::tempdir().unwrap();
+    let behaviours = [
+        Behaviour::Malformed(Malformation::OutOfVocabulary),
+        Behaviour::Healthy,
+    ];
+    let settings = PoolSettings {
+        vocabulary: Some(256),
+        ..PoolSettings::default()
+    };
+    let workers = pool(&behaviours, settings, &dir.path().join("ledger.jsonl")).await;
+    let ids = workers.encode(vec!["ab".into()], false).await.unwrap();
+    assert_eq!(ids, [[97, 98]], "answered by the healthy worker");
+    let metrics = workers.step_trained(1).await.unwrap();
+    assert_eq!(
+        (metrics["answers_malformed"], metrics["workers"]),
+        (1.0, 1.0)
+    );
 }
 
 #[tokio::test]

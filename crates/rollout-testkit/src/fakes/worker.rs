@@ -8,7 +8,7 @@ use bytes::Bytes;
 use rollout_net::link::{Link, LinkLimits};
 use rollout_net::messages::{
     Completion, Done, FinishReason, GenerateRequest, GenerateResponse, GeneratorMemory, Hello,
-    MessageKind, PromptRequest, SealWeights, SyncWeights,
+    MessageKind, PromptRequest, SealWeights, SyncWeights, TokenizerRequest, TokenizerResponse,
 };
 use rollout_net::rpc::{Incoming, Responder, RpcClient};
 use rollout_net::{ClusterKey, NetError};
@@ -173,6 +173,7 @@ impl FakeWorker {
                 }
             }
             MessageKind::GenerateRequest => return self.generate(responder, incoming),
+            MessageKind::TokenizerRequest => self.tokenize(responder, &incoming),
             _ => {
                 let _ = responder.fail(incoming.call, "a fake worker only generates");
             }
@@ -192,6 +193,33 @@ impl FakeWorker {
             return ControlFlow::Break(());
         }
         ControlFlow::Continue(())
+    }
+
+    /// Encodes each text as its bytes (the first id `u32::MAX` when it sends ids past any
+    /// vocabulary), decodes ids as their numbers; its end-of-sequence id is 0.
+    fn tokenize(&self, responder: &Responder, incoming: &Incoming) {
+        let answer = match incoming.decode::<TokenizerRequest>() {
+            Ok(TokenizerRequest::Encode { texts, .. }) => {
+                let mut ids: Vec<Vec<u32>> = texts
+                    .iter()
+                    .map(|text| text.bytes().map(u32::from).collect())
+                    .collect();
+                let outside = Behaviour::Malformed(Malformation::OutOfVocabulary);
+                if let (true, Some(first)) = (self.behaviour == outside, ids.first_mut()) {
+                    first.insert(0, u32::MAX);
+                }
+                TokenizerResponse::Ids { ids }
+            }
+            Ok(TokenizerRequest::Decode { sequences }) => TokenizerResponse::Texts {
+                texts: sequences.iter().map(|ids| format!("{ids:?}")).collect(),
+            },
+            Ok(TokenizerRequest::EosTokenIds) => TokenizerResponse::Ids { ids: vec![vec![0]] },
+            Err(err) => {
+                let _ = responder.fail(incoming.call, err.to_string());
+                return;
+            }
+        };
+        let _ = responder.reply(incoming.call, &answer, Bytes::new(), false);
     }
 
     fn generate(&mut self, responder: &Responder, incoming: Incoming) -> ControlFlow<()> {

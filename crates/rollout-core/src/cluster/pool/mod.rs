@@ -437,16 +437,39 @@ impl Shared {
         }
     }
 
-    /// Runs a tokenizer call on some live worker, moving on when one is lost.
+    /// Runs a tokenizer call on some live worker, moving on when one is lost or answers
+    /// token ids outside the vocabulary (it is sent away, as for any malformed answer).
     async fn tokenize(&self, request: TokenizerRequest) -> Result<TokenizerResponse, RoleError> {
         loop {
             let members = self.live_members().await?;
             let member = &members[0];
             match send::<_, TokenizerResponse>(&member.client, &request).await {
                 Err(err) if is_loss(&err) => self.lose(member, &err),
+                Ok(answer) => match self.outside_vocabulary(&answer) {
+                    Some(reason) => {
+                        self.send_away(member, &reason);
+                        lock(&self.tally).malformed += 1;
+                    }
+                    None => return Ok(answer),
+                },
                 answer => return answer,
             }
         }
+    }
+
+    /// Why a tokenizer's answer cannot be used: an id past the policy's vocabulary.
+    fn outside_vocabulary(&self, answer: &TokenizerResponse) -> Option<String> {
+        let (TokenizerResponse::Ids { ids }, Some(vocabulary)) = (answer, self.settings.vocabulary)
+        else {
+            return None;
+        };
+        let id = ids
+            .iter()
+            .flatten()
+            .find(|&&id| u64::from(id) >= vocabulary)?;
+        Some(format!(
+            "the tokenizer answered token id {id}, outside the vocabulary of {vocabulary}"
+        ))
     }
 
     /// Pool metrics since the last call: `workers`, joins and losses, the ledger's counts,
