@@ -442,10 +442,8 @@ class HFCausalLM(Policy):
             group["lr"] = learning_rate
         norm = float(grad_norm)
         metrics = {"grad_norm": norm, "learning_rate": float(learning_rate)}
-        # The engine drops a non-finite update on every rank before it gets here; driven some
-        # other way, the policy does not step on one either, and says so. An exactly zero
-        # gradient (PPO's critic warm-up; data-parallel ranks fill missing gradients with
-        # zeros) must not move the weights through Adam's momentum.
+        # Never step on a non-finite gradient (the engine drops one before it gets here), nor
+        # on an exactly zero one (PPO's critic warm-up): Adam's momentum would move the weights.
         if not math.isfinite(norm):
             metrics = {"updates_skipped_nonfinite": 1.0, "learning_rate": float(learning_rate)}
         elif norm > 0.0:
