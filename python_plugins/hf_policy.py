@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -304,7 +305,7 @@ class HFCausalLM(Policy):
 
     # Training
 
-    def train_step(self, batch: TrainBatch) -> Mapping[str, float]:
+    def train_step(self, batch: TrainBatch) -> Mapping[str, Any]:
         objective = batch.objective
         temperature = getattr(objective, "temperature", 1.0)
         self._set_training(True)
@@ -331,7 +332,10 @@ class HFCausalLM(Policy):
             reference_seconds = time.perf_counter() - started
         output = objective_loss(logprobs, batch, ref_logprobs=ref_logprobs, values=values)
         output.loss.backward()
-        return {**output.metrics, "reference_seconds": reference_seconds}
+        metrics: dict[str, Any] = {**output.metrics, "reference_seconds": reference_seconds}
+        if output.excluded_rows:
+            metrics["excluded_rows"] = output.excluded_rows
+        return metrics
 
     def _distinct_rows(self, batch: TrainBatch) -> DistinctRows | None:
         """The micro-batch's distinct rows, where some rows are copies and sharing is on."""
@@ -436,15 +440,24 @@ class HFCausalLM(Policy):
             )
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate
-        # An exactly zero gradient (PPO's critic warm-up; data-parallel ranks fill missing
-        # gradients with zeros) must not move the weights through Adam's momentum.
-        if float(grad_norm) > 0.0:
+        norm = float(grad_norm)
+        metrics = {"grad_norm": norm, "learning_rate": float(learning_rate)}
+        # Never step on a non-finite gradient (the engine drops one before it gets here), nor
+        # on an exactly zero one (PPO's critic warm-up): Adam's momentum would move the weights.
+        if not math.isfinite(norm):
+            metrics = {"updates_skipped_nonfinite": 1.0, "learning_rate": float(learning_rate)}
+        elif norm > 0.0:
             self.optimizer.step()
+        else:
+            metrics["updates_skipped_zero_gradient"] = 1.0
         self.optimizer.zero_grad(set_to_none=True)
-        metrics = {"grad_norm": float(grad_norm), "learning_rate": float(learning_rate)}
         if self.value_head is not None:
             metrics.update(self.value_head.apply_update(learning_rate))
         return metrics
+
+    def vocabulary_size(self) -> int:
+        """Rows of the input embedding: every token id the model can take is below it."""
+        return int(self.model.get_input_embeddings().num_embeddings)
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         head = self.value_head.named_parameters() if self.value_head is not None else []

@@ -66,6 +66,10 @@ class ValueHead:
         if not grads:
             return {}
         norm = torch.nn.utils.get_total_norm(grads)
+        if not torch.isfinite(norm):
+            # As the policy's: a NaN or infinite gradient never reaches the weights.
+            self.optimizer.zero_grad(set_to_none=True)
+            return {"updates_skipped_nonfinite": 1.0}
         if self.max_grad_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(parameters, self.max_grad_norm, norm)
         for group in self.optimizer.param_groups:

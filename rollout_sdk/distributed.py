@@ -9,6 +9,11 @@ every micro-batch's ``train_step`` and ``reduce`` after the last one, before
 update's token count, so the summed gradients are exactly those of one process training on
 every micro-batch.
 
+Before the reduction the engine asks :func:`update_is_finite`: every rank says whether its
+losses and gradients are finite and all take the same answer (an all-reduce of one flag), so
+a NaN on one rank makes every rank drop the update (:func:`discard_gradients`) rather than
+one rank stepping alone, and it never reaches the all-reduce or PowerSGD's error feedback.
+
 Compression runs torch's own DDP communication hooks (``fp16_compress_hook``,
 ``bf16_compress_hook``, ``powerSGD_hook``) on one flattened bucket of every gradient; the
 trainer loop owns the micro-batches, so there is no ``DistributedDataParallel`` wrapper to
@@ -35,8 +40,10 @@ __all__ = [
     "FlatGradBucket",
     "FullyShardedGroup",
     "GradientReducer",
+    "discard_gradients",
     "init_process_group",
     "leave_process_group",
+    "update_is_finite",
 ]
 
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
@@ -93,6 +100,38 @@ def leave_process_group(timeout_seconds: float = 30.0) -> None:
             dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def update_is_finite(parameters: Sequence[torch.nn.Parameter], locally_finite: bool = True) -> bool:
+    """Whether the update about to be applied is finite on every rank of the group.
+
+    This rank's answer is ``locally_finite`` (its losses were) and its own gradients' being
+    finite (for sharded parameters, its shard); with a process group joined, every rank must
+    call this together, and each gets ``True`` only if every rank's answer was ``True``.
+    """
+    finite = locally_finite and _gradients_finite(parameters)
+    if not (dist.is_available() and dist.is_initialized()):
+        return finite
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    flag = torch.tensor([1.0 if finite else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item() > 0.0)
+
+
+def _gradients_finite(parameters: Sequence[torch.nn.Parameter]) -> bool:
+    grads = [p.grad for p in parameters if p.grad is not None]
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    if not local:
+        return True
+    # One fused norm per device: NaN and inf propagate into it (as does a norm too large for
+    # float32, which clipping could not use either).
+    return bool(torch.isfinite(torch.nn.utils.get_total_norm(local)).item())
+
+
+def discard_gradients(parameters: Sequence[torch.nn.Parameter]) -> None:
+    """Drops the accumulated gradients: an update that is not applied leaves nothing behind."""
+    for p in parameters:
+        p.grad = None
 
 
 class FlatGradBucket:

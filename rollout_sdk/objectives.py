@@ -5,10 +5,20 @@ Policy plugins call :func:`objective_loss` with the per-token logprobs of their 
 :func:`needs_values`) so every model computes every objective the same way. Importing this
 module imports torch. A new objective is a dataclass in
 :mod:`rollout_sdk.types`, a variant of the engine's ``Objective`` and a branch here.
+
+Two guards keep one bad sample from poisoning an update (docs/security.md). Every difference
+of logprobs that is exponentiated (the importance ratio, the k3 KL term) is clamped to
+``[-LOG_RATIO_BOUND, LOG_RATIO_BOUND]`` first, so ``exp`` stays finite in float32 and
+bfloat16 whatever logprobs a sample carries. And a row whose loss is still not finite (a NaN
+in its inputs or in the model's forward pass) is left out: the loss is computed again without
+it, its index is in :attr:`ObjectiveOutput.excluded_rows`, and the engine counts it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import torch
 
 from rollout_sdk.types import (
@@ -21,19 +31,43 @@ from rollout_sdk.types import (
     TrainBatch,
 )
 
-__all__ = ["ObjectiveOutput", "needs_reference", "needs_values", "objective_loss", "token_logprobs"]
+__all__ = [
+    "LOG_RATIO_BOUND",
+    "ObjectiveOutput",
+    "needs_reference",
+    "needs_values",
+    "objective_loss",
+    "token_logprobs",
+]
 
 PolicyGradient = GrpoObjective | GspoObjective | PpoObjective
 
+#: The largest log-ratio (new minus old logprob, or reference minus policy) exponentiated:
+#: ``exp(20)`` is about 4.9e8, far inside float32's and bfloat16's range (both overflow past
+#: ``exp(88.7)``) even multiplied by an advantage and summed over a batch. An honest sample's
+#: token ratio never comes near it: PPO-style clipping already ignores ratios past ``1 + clip``,
+#: and a clamped token contributes no gradient, as a clipped one does.
+LOG_RATIO_BOUND = 20.0
+
 
 class ObjectiveOutput:
-    """The scaled loss to back-propagate and token-mean metrics of the micro-batch."""
+    """The scaled loss to back-propagate and token-mean metrics of the micro-batch, and the
+    rows left out of the loss because it was not finite for them."""
 
-    __slots__ = ("loss", "metrics")
+    __slots__ = ("excluded_rows", "loss", "metrics", "row_losses")
 
-    def __init__(self, loss: torch.Tensor, metrics: dict[str, float]) -> None:
+    def __init__(
+        self,
+        loss: torch.Tensor,
+        metrics: dict[str, float],
+        row_losses: torch.Tensor | None = None,
+        excluded_rows: list[int] | None = None,
+    ) -> None:
         self.loss = loss
         self.metrics = metrics
+        #: Each row's share of the loss before scaling ``[B]`` (a DPO pair's on both its rows).
+        self.row_losses = row_losses
+        self.excluded_rows = excluded_rows or []
 
 
 def needs_reference(objective: Objective) -> bool:
@@ -58,14 +92,46 @@ def objective_loss(
     """Loss for ``batch`` given the policy's per-token ``logprobs`` ``[B, T]`` (column 0 unused).
 
     Token objectives are summed over masked tokens and multiplied by ``batch.loss_scale``; DPO
-    sums over pairs. The equations are in docs/algorithms.md.
+    sums over pairs. The equations are in docs/algorithms.md. Rows whose loss is not finite
+    are left out (``excluded_rows``): the loss and metrics are those of the other rows, still
+    scaled by ``batch.loss_scale``, and the excluded rows' gradient is zero wherever the
+    model's own forward pass was finite.
     """
+    if needs_reference(batch.objective) and ref_logprobs is None:
+        raise ValueError(f"{type(batch.objective).__name__} needs reference logprobs")
+    output = _objective_loss(logprobs, batch, ref_logprobs, values)
+    assert output.row_losses is not None
+    bad = ~torch.isfinite(output.row_losses)
+    if not bool(bad.any()):
+        return output
+    if isinstance(batch.objective, DpoObjective):
+        bad = _whole_pairs(bad)
+    keep = ~bad
+    output = _objective_loss(
+        _zero_rows(logprobs, bad),
+        _without_rows(batch, bad.cpu().numpy()),
+        _zero_rows(ref_logprobs, bad),
+        _zero_rows(values, bad),
+        keep=keep,
+    )
+    output.excluded_rows = [int(row) for row in torch.nonzero(bad).flatten().tolist()]
+    return output
+
+
+def _objective_loss(
+    logprobs: torch.Tensor,
+    batch: TrainBatch,
+    ref_logprobs: torch.Tensor | None,
+    values: torch.Tensor | None,
+    keep: torch.Tensor | None = None,
+) -> ObjectiveOutput:
+    """The loss of ``batch``'s rows, those not in ``keep`` (``[B]`` bool) left out."""
     mask = torch.as_tensor(batch.loss_mask, dtype=logprobs.dtype, device=logprobs.device)
     objective = batch.objective
-    if needs_reference(objective) and ref_logprobs is None:
-        raise ValueError(f"{type(objective).__name__} needs reference logprobs")
     if isinstance(objective, DpoObjective):
-        return _dpo(logprobs, ref_logprobs, mask, objective, batch.loss_scale)
+        return _dpo(logprobs, ref_logprobs, mask, objective, batch.loss_scale, keep)
+    if keep is not None:
+        mask = mask * keep.to(device=mask.device, dtype=mask.dtype).unsqueeze(1)
     tokens = mask.sum().clamp_min(1.0)
     if isinstance(objective, SftObjective):
         per_token = -logprobs
@@ -82,9 +148,47 @@ def objective_loss(
         per_token, metrics = _policy_gradient(logprobs, ref_logprobs, mask, batch)
     else:
         raise TypeError(f"unknown objective {type(objective).__name__}")
-    loss = (per_token * mask).sum() * batch.loss_scale
-    metrics["loss"] = float((per_token.detach() * mask).sum() / tokens)
-    return ObjectiveOutput(loss, metrics)
+    row_losses = (per_token * mask).sum(dim=1)
+    loss = row_losses.sum() * batch.loss_scale
+    metrics["loss"] = float(row_losses.detach().sum() / tokens)
+    return ObjectiveOutput(loss, metrics, row_losses.detach())
+
+
+def _zero_rows(tensor: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
+    """``tensor`` with ``rows`` (``[B]`` bool) set to 0: no NaN or inf of theirs reaches the
+    loss, and their gradient is zero (``masked_fill`` passes none to the filled entries)."""
+    if tensor is None:
+        return None
+    return tensor.masked_fill(rows.to(tensor.device).unsqueeze(1), 0.0)
+
+
+def _without_rows(batch: TrainBatch, rows: np.ndarray) -> TrainBatch:
+    """``batch`` with ``rows`` out of the loss and their per-token inputs zeroed."""
+
+    def zeroed(array: np.ndarray | None) -> np.ndarray | None:
+        if array is None:
+            return None
+        return np.where(rows[:, None], np.zeros_like(array), array)
+
+    return dataclasses.replace(
+        batch,
+        loss_mask=zeroed(batch.loss_mask),
+        advantages=zeroed(batch.advantages),
+        old_logprobs=zeroed(batch.old_logprobs),
+        returns=zeroed(batch.returns),
+        old_values=zeroed(batch.old_values),
+    )
+
+
+def _whole_pairs(rows: torch.Tensor) -> torch.Tensor:
+    """DPO: a pair with either row marked is marked on both rows."""
+    pairs = rows[0::2] | rows[1::2]
+    return pairs.repeat_interleave(2)[: rows.shape[0]]
+
+
+def _clamped_exp(log_ratio: torch.Tensor) -> torch.Tensor:
+    """``exp`` of a log-ratio clamped to ``LOG_RATIO_BOUND`` (no gradient past it)."""
+    return torch.exp(log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
 
 
 def _policy_gradient(
@@ -109,7 +213,7 @@ def _policy_gradient(
     if isinstance(objective, GspoObjective):
         lengths = mask.sum(dim=1, keepdim=True).clamp_min(1.0)
         log_ratio = (log_ratio.sum(dim=1, keepdim=True) / lengths).expand_as(logprobs)
-    ratio = torch.exp(log_ratio)
+    ratio = _clamped_exp(log_ratio)
     clipped = ratio.clamp(1.0 - objective.clip_low, 1.0 + objective.clip_high)
     per_token = -torch.minimum(ratio * advantages, clipped * advantages)
     was_clipped = (ratio * advantages > clipped * advantages).to(mask.dtype)
@@ -117,7 +221,7 @@ def _policy_gradient(
     metrics["ratio_mean"] = float((ratio.detach() * mask).sum() / tokens)
     if objective.kl_coef > 0.0 and not kl_in_reward:
         assert ref_logprobs is not None
-        delta = (ref_logprobs - logprobs) * mask
+        delta = ((ref_logprobs - logprobs) * mask).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
         kl = torch.exp(delta) - delta - 1.0
         per_token = per_token + objective.kl_coef * kl
         metrics["kl"] = float((kl.detach() * mask).sum() / tokens)
@@ -158,8 +262,10 @@ def _dpo(
     mask: torch.Tensor,
     objective: DpoObjective,
     loss_scale: float,
+    keep: torch.Tensor | None = None,
 ) -> ObjectiveOutput:
-    """``-log sigmoid(beta * (chosen log-ratio - rejected log-ratio))`` per pair of rows."""
+    """``-log sigmoid(beta * (chosen log-ratio - rejected log-ratio))`` per pair of rows; pairs
+    with a row outside ``keep`` are left out."""
     assert ref_logprobs is not None
     if logprobs.shape[0] % 2:
         raise ValueError("a DPO micro-batch holds pairs of rows (chosen, rejected)")
@@ -167,14 +273,18 @@ def _dpo(
     chosen, rejected = log_ratio[0::2], log_ratio[1::2]
     margin = objective.beta * (chosen - rejected)
     per_pair = -torch.nn.functional.logsigmoid(margin)
+    kept = torch.ones_like(per_pair) if keep is None else keep[0::2].to(per_pair.device, per_pair.dtype)
+    per_pair = per_pair * kept
+    pairs = kept.sum().clamp_min(1.0)
     metrics = {
-        "loss": float(per_pair.detach().mean()),
-        "reward_accuracy": float((margin.detach() > 0).float().mean()),
-        "reward_margin": float(margin.detach().mean()),
-        "chosen_reward": float(objective.beta * chosen.detach().mean()),
-        "rejected_reward": float(objective.beta * rejected.detach().mean()),
+        "loss": float(per_pair.detach().sum() / pairs),
+        "reward_accuracy": float(((margin.detach() > 0).to(kept.dtype) * kept).sum() / pairs),
+        "reward_margin": float((margin.detach() * kept).sum() / pairs),
+        "chosen_reward": float(objective.beta * (chosen.detach() * kept).sum() / pairs),
+        "rejected_reward": float(objective.beta * (rejected.detach() * kept).sum() / pairs),
     }
-    return ObjectiveOutput(per_pair.sum() * loss_scale, metrics)
+    row_losses = per_pair.detach().repeat_interleave(2)
+    return ObjectiveOutput(per_pair.sum() * loss_scale, metrics, row_losses)
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -53,16 +53,31 @@ class Policy(Plugin):
         """Sample ``request.n`` completions for every request, with per-token logprobs."""
         raise NotImplementedError
 
+    def vocabulary_size(self) -> int:
+        """How many token ids the model takes (ids ``0..vocabulary_size``).
+
+        The engine checks every token id against it before the model sees one: a worker's
+        completions, a tokenizer's ids, every micro-batch on the trainer. Without it (the
+        default raises ``NotImplementedError``) the engine reads ``vocab_size`` from the
+        ``config.json`` under the policy's ``model_path`` option, and refuses to start if
+        there is none.
+        """
+        raise NotImplementedError
+
     def logprobs(self, batch: TokenBatch) -> np.ndarray:
         """Per-token logprobs ``[batch, time]`` of ``batch.input_ids`` (column 0 is 0)."""
         raise NotImplementedError
 
-    def train_step(self, batch: TrainBatch) -> Mapping[str, float]:
+    def train_step(self, batch: TrainBatch) -> Mapping[str, Any]:
         """Forward and backward on one micro-batch, accumulating gradients.
 
         Returns metrics averaged over the micro-batch's masked tokens (at least ``loss``);
         the engine averages them over micro-batches by tokens, except names ending in
-        ``_seconds``, which it adds up.
+        ``_seconds``, which it adds up. It may add ``excluded_rows``, a list of the row
+        indices it left out of the loss because their loss was not finite
+        (``rollout_sdk.objectives.objective_loss`` does so): the engine counts them
+        (``samples_excluded_nonfinite``) and, in a distributed run, sends away the generation
+        worker that produced them. A ``loss`` that is not finite drops the whole update.
         """
         raise NotImplementedError
 

@@ -47,6 +47,7 @@ POOL_METRICS = (
     "leases_revoked",
     "answers_rejected",
     "answers_malformed",
+    "samples_excluded_malformed",
     "groups_dropped",
 )
 

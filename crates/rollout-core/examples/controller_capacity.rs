@@ -234,6 +234,7 @@ fn answers(completion_tokens: usize) -> Answer {
             .map(|prompt| vec![template.clone(); prompt.n as usize])
             .collect(),
         metrics: response_metrics(),
+        producers: Vec::new(),
     })
 }
 

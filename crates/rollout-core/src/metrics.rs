@@ -29,8 +29,9 @@ macro_rules! step_metrics {
             /// Measurements named by whoever took them: the policy's training metrics besides
             /// `loss` (`grad_norm`, `kl`...), each reward's mean (`reward/<name>`), the sampling
             /// engine's (`engine/...`), the generation pool's (`workers`, `leases`...,
-            /// `worker_completions/<worker>`) and, in a multi-agent run, each agent's
-            /// (`<agent>/...`).
+            /// `worker_completions/<worker>`), samples and updates left out of training
+            /// (`samples_excluded_<reason>`, `updates_skipped_<reason>`) and, in a multi-agent
+            /// run, each agent's (`<agent>/...`).
             #[serde(flatten)]
             pub measured: BTreeMap<String, f64>,
         }
@@ -195,6 +196,13 @@ impl StepMetrics {
 /// `value` as a count, when it is a whole number a `u64` holds.
 fn as_count(value: f64) -> Option<u64> {
     (value.fract() == 0.0 && (0.0..=u64::MAX as f64).contains(&value)).then_some(value as u64)
+}
+
+/// Whether a trainer's measurement counts events rather than averaging them: samples left
+/// out of an update (`samples_excluded_<reason>`) and updates not applied
+/// (`updates_skipped_<reason>`). Counts add up over micro-batches and updates.
+pub fn is_trainer_count(name: &str) -> bool {
+    name.starts_with("samples_excluded_") || name.starts_with("updates_skipped_")
 }
 
 /// Combines the metrics of several generation requests (the turns of a multi-turn step):

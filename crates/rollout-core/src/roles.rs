@@ -96,6 +96,12 @@ pub trait Generator: Send + Sync {
     fn restore_memory(&self) -> RoleFuture<'_, ()> {
         Box::pin(async { Ok(()) })
     }
+    /// The trainer left samples these generation workers produced out of an update (their
+    /// data was invalid, or their loss not finite): send them away as for a malformed answer.
+    /// Nothing by default (in one process there is no worker to send away).
+    fn send_away(&self, _workers: Vec<String>, _reason: String) -> RoleFuture<'_, ()> {
+        Box::pin(async { Ok(()) })
+    }
 }
 
 /// What became of one step's prompt groups: those whose samples went into its update, and

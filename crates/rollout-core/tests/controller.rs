@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::time::Duration;
 
 use rollout_core::cluster::ledger::{Ledger, audit};
+use rollout_core::cluster::pool::MIN_LOGPROB;
 use rollout_core::cluster::pool::{PoolSettings, RemoteWorkers};
 use rollout_core::config::Config;
 use rollout_core::metrics::StepMetrics;
@@ -18,7 +19,7 @@ use rollout_core::train::{
 };
 use rollout_net::ClusterKey;
 use rollout_net::messages::Objective;
-use rollout_testkit::fakes::worker::{Behaviour, fake_worker};
+use rollout_testkit::fakes::worker::{Behaviour, Malformation, fake_worker};
 use rollout_testkit::fakes::{
     FakeEnvironment, FakeLearner, FakePolicy, FakeRewards, RecordingObserver, Score, config,
     records,
@@ -660,5 +661,105 @@ async fn the_ledger_holds_every_group_trained_once_when_a_remote_worker_dies() {
     );
     let lines = metrics(output.path());
     assert_eq!(lines[0].measured["workers_lost"], 1.0);
+    assert!(lines.iter().all(|l| l.completions == Some(12)));
+}
+
+/// A pool of fake workers over real links, one per behaviour, named `w0`, `w1`...
+async fn remote_pool(behaviours: &[Behaviour], journal: &Path) -> RemoteWorkers {
+    let key = ClusterKey::from_secret(ClusterKey::random_secret().as_bytes()).unwrap();
+    let mut clients = Vec::new();
+    for (index, &behaviour) in behaviours.iter().enumerate() {
+        clients.push(
+            fake_worker(&key, &format!("w{index}"), behaviour)
+                .await
+                .unwrap(),
+        );
+    }
+    RemoteWorkers::new(clients, Ledger::new(Some(journal)), PoolSettings::default())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_sending_logprobs_of_minus_95_costs_its_samples_not_an_update() {
+    let output = tempfile::tempdir().unwrap();
+    let behaviours = [
+        Behaviour::Healthy,
+        Behaviour::Malformed(Malformation::PoisonedLogprob),
+    ];
+    let workers = remote_pool(&behaviours, &output.path().join("ledger.jsonl")).await;
+    let fakes = Fakes::new(FakeLearner::default().with_weight_sync());
+    let config = run_config(output.path(), 3, 0, "[rollout]\nprompts_per_step = 6");
+    fakes
+        .run_with(&config, Start::Fresh, &workers, &fakes.policy)
+        .await
+        .unwrap();
+    // The run went on: every step trained one update, on every group.
+    let trains: Vec<String> = fakes
+        .learner
+        .events()
+        .into_iter()
+        .filter(|e| e.starts_with("train"))
+        .collect();
+    assert_eq!(trains, ["train 1", "train 2", "train 3"]);
+    let lines = metrics(output.path());
+    assert!(lines.iter().all(|l| l.completions == Some(12)));
+    assert!(lines.iter().all(|l| l.loss.is_some_and(f64::is_finite)));
+    // No logprob below the peer check's floor reached the learner.
+    for request in fakes.learner.requests() {
+        for batch in &request.micro_batches {
+            let trained = batch.old_logprobs.iter().zip(&batch.loss_mask);
+            for (&logprob, _) in trained.filter(|(_, mask)| **mask > 0.0) {
+                assert!(
+                    (MIN_LOGPROB..=0.0).contains(&logprob),
+                    "{logprob} was trained on"
+                );
+            }
+        }
+    }
+    // The worker's answer was refused and counted: its 3 groups of 2 samples.
+    let first = &lines[0].measured;
+    assert_eq!(first["answers_malformed"], 1.0);
+    assert_eq!(first["samples_excluded_malformed"], 6.0);
+    assert_eq!(first["workers"], 1.0);
+    assert!(
+        lines[1..]
+            .iter()
+            .all(|l| l.measured["samples_excluded_malformed"] == 0.0)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_worker_whose_sample_the_trainer_left_out_is_sent_away() {
+    let output = tempfile::tempdir().unwrap();
+    let workers = remote_pool(
+        &[Behaviour::Healthy, Behaviour::Healthy],
+        &output.path().join("ledger.jsonl"),
+    )
+    .await;
+    // The first update leaves out one row, as a trainer does a sample whose loss is NaN
+    // (a KL term keeps every row in the update, whatever its advantage).
+    let fakes = Fakes::new(
+        FakeLearner::default()
+            .with_weight_sync()
+            .excluding_at(1, 0, 0),
+    );
+    let extra = "[rollout]\nprompts_per_step = 6\n[algorithm]\nkl_coef = 0.01";
+    let config = run_config(output.path(), 3, 0, extra);
+    fakes
+        .run_with(&config, Start::Fresh, &workers, &fakes.policy)
+        .await
+        .unwrap();
+    let lines = metrics(output.path());
+    let first = &lines[0].measured;
+    assert_eq!(first["samples_excluded_nonfinite"], 1.0);
+    // Its producer is sent away as for a malformed answer; the other generates the rest.
+    assert_eq!((first["answers_malformed"], first["workers"]), (1.0, 1.0));
+    let producers = |line: &StepMetrics| {
+        let names = line.measured.keys();
+        names
+            .filter(|name| name.starts_with("worker_completions/"))
+            .count()
+    };
+    assert_eq!(producers(&lines[0]), 2);
+    assert!(lines[1..].iter().all(|line| producers(line) == 1));
     assert!(lines.iter().all(|l| l.completions == Some(12)));
 }

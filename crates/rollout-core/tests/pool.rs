@@ -7,19 +7,20 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use rollout_core::cluster::ledger::{Ledger, audit};
+use rollout_core::cluster::pool::MIN_LOGPROB;
 use rollout_core::cluster::pool::{PoolSettings, RemoteWorkers};
 use rollout_core::roles::{
-    DropReason, DroppedGroup, Generator, GroupRecord, Publication, StepGroups,
+    DropReason, DroppedGroup, Generator, GroupRecord, Publication, StepGroups, Tokenizer,
 };
 use rollout_core::telemetry::Telemetry;
 use rollout_net::ClusterKey;
 use rollout_net::link::{Link, LinkLimits};
 use rollout_net::messages::{
-    Done, GenerateRequest, GenerateResponse, GroupRef, MessageKind, PromptRequest, SamplingParams,
-    SyncWeights, WeightsReport,
+    GenerateRequest, GenerateResponse, GroupRef, Loaded, MessageKind, PromptRequest,
+    SamplingParams, SyncWeights, WeightsReport,
 };
 use rollout_testkit::fakes::worker::{
-    Behaviour, Malformation, fake_worker, hello, seed_completion,
+    Behaviour, Malformation, POISONED_LOGPROB, fake_worker, hello, seed_completion,
 };
 
 fn request(step: u64, prompts: u32) -> GenerateRequest {
@@ -196,10 +197,87 @@ async fn a_worker_that_sends_a_malformed_answer_loses_its_leases_and_its_place()
             metrics["leases_revoked"],
         );
         assert_eq!(counted, (1.0, 1.0, 3.0), "{malformation:?}");
+        // Its 3 groups of 2 samples were refused, counted, and generated elsewhere.
+        assert_eq!(
+            metrics["samples_excluded_malformed"], 6.0,
+            "{malformation:?}"
+        );
+        assert!(response.producers.iter().all(|p| p == "fake-0"));
         let audited = audit(&journal).unwrap();
         assert_eq!(audited.groups_trained, 6, "{malformation:?}");
         assert_eq!((audited.groups_lost, audited.groups_duplicated), (0, 0));
     }
+}
+
+#[tokio::test]
+async fn logprobs_of_minus_95_are_refused_and_only_honest_samples_are_returned() {
+    let dir = tempfile::tempdir().unwrap();
+    let behaviours = [
+        Behaviour::Malformed(Malformation::PoisonedLogprob),
+        Behaviour::Healthy,
+    ];
+    let settings = PoolSettings {
+        vocabulary: Some(u64::from(u32::MAX) + 1),
+        ..PoolSettings::default()
+    };
+    let workers = pool(&behaviours, settings, &dir.path().join("ledger.jsonl")).await;
+    let response = workers.generate(request(1, 4)).await.unwrap();
+    assert_every_prompt_answered(&response, 4);
+    let logprobs = response.groups.iter().flatten().flat_map(|c| &c.logprobs);
+    assert!(
+        logprobs
+            .into_iter()
+            .all(|&lp| lp >= MIN_LOGPROB && lp != POISONED_LOGPROB)
+    );
+    let metrics = workers.step_trained(1, &all_trained(4)).await.unwrap();
+    assert_eq!(metrics["samples_excluded_malformed"], 4.0);
+    assert_eq!(
+        (metrics["answers_malformed"], metrics["workers"]),
+        (1.0, 1.0)
+    );
+}
+
+#[tokio::test]
+async fn workers_the_trainer_names_are_sent_away_and_generation_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let behaviours = [Behaviour::Healthy, Behaviour::Healthy];
+    let settings = PoolSettings::default();
+    let workers = pool(&behaviours, settings, &dir.path().join("ledger.jsonl")).await;
+    let response = workers.generate(request(1, 4)).await.unwrap();
+    // Round-robin: each group's producer is recorded.
+    assert_eq!(response.producers, ["fake-0", "fake-1", "fake-0", "fake-1"]);
+    let reason = "the trainer left samples it generated out of step 1's update";
+    let gone = vec!["fake-1".to_owned(), "no-such-worker".to_owned()];
+    workers.send_away(gone, reason.into()).await.unwrap();
+    let metrics = workers.step_trained(1, &all_trained(4)).await.unwrap();
+    assert_eq!(
+        (metrics["answers_malformed"], metrics["workers"]),
+        (1.0, 1.0)
+    );
+    let response = workers.generate(request(2, 4)).await.unwrap();
+    assert_every_prompt_answered(&response, 4);
+    assert!(response.producers.iter().all(|p| p == "fake-0"));
+}
+
+#[tokio::test]
+async fn a_tokenizer_answer_outside_the_vocabulary_is_refused_and_asked_elsewhere() {
+    let dir = tempfile::tempdir().unwrap();
+    let behaviours = [
+        Behaviour::Malformed(Malformation::OutOfVocabulary),
+        Behaviour::Healthy,
+    ];
+    let settings = PoolSettings {
+        vocabulary: Some(256),
+        ..PoolSettings::default()
+    };
+    let workers = pool(&behaviours, settings, &dir.path().join("ledger.jsonl")).await;
+    let ids = workers.encode(vec!["ab".into()], false).await.unwrap();
+    assert_eq!(ids, [[97, 98]], "answered by the healthy worker");
+    let metrics = workers.step_trained(1, &all_trained(0)).await.unwrap();
+    assert_eq!(
+        (metrics["answers_malformed"], metrics["workers"]),
+        (1.0, 1.0)
+    );
 }
 
 #[tokio::test]
@@ -359,7 +437,10 @@ where
             while let Some(incoming) = server.requests.recv().await {
                 let (call, responder) = (incoming.call, &server.responder);
                 match incoming.frame.kind {
-                    MessageKind::Welcome => responder.reply(call, &Done {}, Bytes::new(), false),
+                    MessageKind::Welcome => {
+                        let loaded = Loaded { vocabulary: 1000 };
+                        responder.reply(call, &loaded, Bytes::new(), false)
+                    }
                     MessageKind::SyncWeights => {
                         let request: SyncWeights = incoming.decode().unwrap();
                         synced.push(request.weights.clone());
@@ -374,6 +455,7 @@ where
                         let response = GenerateResponse {
                             groups: groups.collect(),
                             metrics: Default::default(),
+                            producers: Vec::new(),
                         };
                         responder
                             .reply(call, &response, Bytes::new(), false)

@@ -60,7 +60,7 @@ fn kinds_round_trip_through_numbers() {
         assert_eq!(MessageKind::from_u16(kind.as_u16()), Some(kind));
     }
     assert_eq!(MessageKind::from_u16(0), None);
-    assert_eq!(MessageKind::from_u16(26), None);
+    assert_eq!(MessageKind::from_u16(27), None);
 }
 
 #[test]

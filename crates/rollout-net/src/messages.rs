@@ -129,6 +129,11 @@ pub struct GenerateResponse {
     /// The generator's own measurements (engine throughput, KV utilisation, speculation).
     #[serde(default)]
     pub metrics: std::collections::BTreeMap<String, f64>,
+    /// `producers[i]` names the generation worker that generated `groups[i]`, filled in by
+    /// the controller's pool (empty in one process). Never on the wire: a worker cannot
+    /// name another as the author of its completions.
+    #[serde(skip)]
+    pub producers: Vec<String>,
 }
 
 /// A finished sample as reward functions see it.
@@ -349,6 +354,28 @@ pub struct TrainResponse {
     pub metrics: std::collections::BTreeMap<String, f64>,
     /// The weight version after this update.
     pub weight_version: u64,
+    /// Rows the trainer left out of the update, by their place in the request.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub excluded: Vec<ExcludedRow>,
+}
+
+/// Why a trainer left a row out of an update.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Exclusion {
+    /// A token id outside the policy's vocabulary, or a behaviour logprob no sampler gives
+    /// (not finite, or outside the peer check's range).
+    Invalid,
+    /// Its loss was not finite.
+    NonFinite,
+}
+
+/// Row `row` of micro-batch `micro_batch` of a [`TrainRequest`], left out of the update.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct ExcludedRow {
+    pub micro_batch: u32,
+    pub row: u32,
+    pub reason: Exclusion,
 }
 
 /// The first message on a connection, sent by each side: who is speaking.
@@ -463,6 +490,13 @@ pub enum CheckpointRequest {
 /// A request finished with nothing to return.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Done {}
+
+/// A role's answer to [`Welcome`]: its policy is loaded, and takes token ids below
+/// `vocabulary`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Loaded {
+    pub vocabulary: u64,
+}
 
 /// Asks the trainers to snapshot their current weights for generation workers to pull.
 /// Answered with a [`WeightsReport`]; a rank that serves the version may first announce it,

@@ -121,6 +121,7 @@ fn samples() -> Vec<Frame> {
                     weight_version: 3,
                 }]],
                 metrics: BTreeMap::from([("engine/kv_utilisation".to_owned(), 0.5)]),
+                producers: Vec::new(),
             },
             Bytes::new(),
         ),
@@ -184,6 +185,11 @@ fn samples() -> Vec<Frame> {
             &TrainResponse {
                 metrics: BTreeMap::from([("loss".to_owned(), 0.25)]),
                 weight_version: 4,
+                excluded: vec![ExcludedRow {
+                    micro_batch: 1,
+                    row: 3,
+                    reason: Exclusion::NonFinite,
+                }],
             },
             Bytes::new(),
         ),
@@ -275,6 +281,12 @@ fn samples() -> Vec<Frame> {
         ),
         Frame::from_message(&GeneratorMemory::Release, Bytes::new()),
         Frame::from_message(&SealWeights { weights: report() }, Bytes::new()),
+        Frame::from_message(
+            &Loaded {
+                vocabulary: 151_936,
+            },
+            Bytes::new(),
+        ),
     ];
     frames.into_iter().map(Result::unwrap).collect()
 }
@@ -585,7 +597,8 @@ proptest! {
         metrics in btree_map("[a-z/_]{1,12}", finite_f64(), 0..4),
         s in any::<Index>(),
     ) {
-        round_trip(&GenerateResponse { groups, metrics }, vec![], s.index(1024));
+        let producers = Vec::new();
+        round_trip(&GenerateResponse { groups, metrics, producers }, vec![], s.index(1024));
     }
 
     #[test]
@@ -624,7 +637,8 @@ proptest! {
         weight_version in any::<u64>(),
         s in any::<Index>(),
     ) {
-        round_trip(&TrainResponse { metrics, weight_version }, vec![], s.index(1024));
+        let excluded = Vec::new();
+        round_trip(&TrainResponse { metrics, weight_version, excluded }, vec![], s.index(1024));
     }
 
     #[test]

@@ -207,7 +207,11 @@ impl PagedGenerator {
         let seconds = started.elapsed().as_secs_f64();
         let groups = run.pending.into_groups()?;
         let metrics = call_metrics(&before, &run.scheduler.stats(), &run.measured, seconds);
-        Ok(GenerateResponse { groups, metrics })
+        Ok(GenerateResponse {
+            groups,
+            metrics,
+            producers: Vec::new(),
+        })
     }
 
     /// The scheduler, ready for a request with the weights of `weight_version`: large enough

@@ -357,6 +357,31 @@ fn missing_module_and_wrong_class_are_reported() {
 }
 
 #[test]
+fn a_policy_whose_vocabulary_is_unknown_or_exceeded_is_refused_with_the_reason() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = toy_config(tmp.path(), DIGIT_REWARD, "");
+    let text = std::fs::read_to_string(&config).unwrap();
+    let cases = [
+        (
+            "UnsizedToyPolicy",
+            "the policy's vocabulary size is unknown",
+        ),
+        (
+            "OverflowingToyPolicy",
+            "failed in `encode`: token id 16 is outside the policy's vocabulary of 11",
+        ),
+    ];
+    for (policy, reason) in cases {
+        let spec = format!("toy_plugins:{policy}");
+        std::fs::write(&config, text.replace("toy_plugins:ToyPolicy", &spec)).unwrap();
+        let out = rollout(&["run", config.to_str().unwrap()], tmp.path());
+        assert!(!out.status.success(), "{policy} ran");
+        assert!(stderr(&out).contains(reason), "{policy}: {}", stderr(&out));
+        assert!(!stderr(&out).contains("panicked"), "{}", stderr(&out));
+    }
+}
+
+#[test]
 fn plugin_option_errors_point_into_the_file() {
     let tmp = tempfile::tempdir().unwrap();
     let reward =

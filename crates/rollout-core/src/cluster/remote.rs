@@ -8,8 +8,8 @@ use std::path::PathBuf;
 use bytes::Bytes;
 use rollout_net::NetError;
 use rollout_net::messages::{
-    CheckpointRequest, Done, Message, MicroBatch, PublishWeights, Shutdown, TrainRequest,
-    TrainResponse, ValuesRequest, ValuesResponse, WeightsReport,
+    CheckpointRequest, Done, ExcludedRow, Message, MicroBatch, PublishWeights, Shutdown,
+    TrainRequest, TrainResponse, ValuesRequest, ValuesResponse, WeightsReport,
 };
 use rollout_net::rpc::{Call, RpcClient};
 
@@ -134,6 +134,30 @@ fn agree(rank0: &WeightsReport, others: &[WeightsReport]) -> Result<(), RoleErro
     Ok(())
 }
 
+/// The ranks' excluded rows by their place in the whole request: rank `r`'s micro-batch
+/// `i` is the request's `i * world + r` (padding passes past the request's `count` are
+/// dropped).
+fn excluded_in_request(answers: &[TrainResponse], count: usize) -> Vec<ExcludedRow> {
+    let world = answers.len().max(1);
+    let mut excluded: Vec<ExcludedRow> = answers
+        .iter()
+        .enumerate()
+        .flat_map(|(rank, answer)| {
+            answer.excluded.iter().filter_map(move |row| {
+                let index = (row.micro_batch as usize).checked_mul(world)? + rank;
+                let micro_batch = u32::try_from(index).ok().filter(|_| index < count)?;
+                Some(ExcludedRow {
+                    micro_batch,
+                    ..*row
+                })
+            })
+        })
+        .collect();
+    excluded.sort_unstable();
+    excluded.dedup();
+    excluded
+}
+
 /// A pass that contributes nothing but its collectives: `batch` with no token in its loss.
 fn padding_pass(batch: &MicroBatch) -> MicroBatch {
     let mut padding = batch.clone();
@@ -143,7 +167,8 @@ fn padding_pass(batch: &MicroBatch) -> MicroBatch {
 }
 
 /// Merges the ranks' metrics: means weighted by each rank's loss tokens, times as the
-/// slowest rank's (the update waits for it).
+/// slowest rank's (the update waits for it), samples each rank left out added up, and
+/// updates skipped as any rank counts them (the ranks skip together).
 fn merge_rank_metrics(answers: &[TrainResponse], tokens: &[usize]) -> BTreeMap<String, f64> {
     let total: usize = tokens.iter().sum();
     let mut merged: BTreeMap<String, f64> = BTreeMap::new();
@@ -155,7 +180,9 @@ fn merge_rank_metrics(answers: &[TrainResponse], tokens: &[usize]) -> BTreeMap<S
         };
         for (name, &value) in &answer.metrics {
             let entry = merged.entry(name.clone()).or_insert(0.0);
-            if name.ends_with("_seconds") {
+            if name.starts_with("samples_excluded_") {
+                *entry += value;
+            } else if name.ends_with("_seconds") || name.starts_with("updates_skipped_") {
                 *entry = entry.max(value);
             } else if total > 0 && rank_tokens == 0 {
                 // A rank without tokens reports zeros for token means.
@@ -177,6 +204,7 @@ impl Learner for RemoteTrainers {
                 epochs: request.epochs,
             })
             .collect();
+        let count = request.micro_batches.len();
         let padding = self
             .sharded
             .then(|| request.micro_batches.first().map(padding_pass))
@@ -212,6 +240,7 @@ impl Learner for RemoteTrainers {
             Ok(TrainResponse {
                 metrics: merge_rank_metrics(&answers, &tokens),
                 weight_version,
+                excluded: excluded_in_request(&answers, count),
             })
         })
     }
@@ -391,7 +420,43 @@ mod tests {
         TrainResponse {
             metrics: pairs.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
             weight_version: 1,
+            excluded: Vec::new(),
         }
+    }
+
+    fn excluded(micro_batch: u32, row: u32) -> ExcludedRow {
+        ExcludedRow {
+            micro_batch,
+            row,
+            reason: rollout_net::messages::Exclusion::NonFinite,
+        }
+    }
+
+    #[test]
+    fn excluded_rows_are_placed_back_in_the_request_and_counts_add_up() {
+        let mut ranks = [
+            answer(&[
+                ("samples_excluded_nonfinite", 2.0),
+                ("updates_skipped_nonfinite", 1.0),
+            ]),
+            answer(&[
+                ("samples_excluded_nonfinite", 1.0),
+                ("updates_skipped_nonfinite", 1.0),
+            ]),
+        ];
+        ranks[0].excluded = vec![excluded(0, 1), excluded(1, 0)];
+        // Rank 1's second micro-batch is a padding pass past the request's 3.
+        ranks[1].excluded = vec![excluded(0, 4), excluded(1, 2)];
+        assert_eq!(
+            excluded_in_request(&ranks, 3),
+            [excluded(0, 1), excluded(1, 4), excluded(2, 0)]
+        );
+        let merged = merge_rank_metrics(&ranks, &[10, 0]);
+        assert_eq!(merged["samples_excluded_nonfinite"], 3.0);
+        assert_eq!(
+            merged["updates_skipped_nonfinite"], 1.0,
+            "the ranks skip together"
+        );
     }
 
     #[test]

@@ -23,6 +23,11 @@ pub(super) struct WorkerLabel {
     pub worker: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(super) struct ReasonLabel {
+    pub reason: String,
+}
+
 /// Every series the step lines feed.
 #[derive(Default)]
 pub(super) struct Series {
@@ -50,6 +55,8 @@ pub(super) struct Series {
     staleness_max: FloatGauge,
     staleness_mean: FloatGauge,
     worker_completions: Family<WorkerLabel, Counter>,
+    samples_excluded: Family<ReasonLabel, Counter>,
+    updates_skipped: Family<ReasonLabel, Counter>,
 }
 
 /// A series' name and HELP text.
@@ -90,6 +97,16 @@ impl Series {
             "rollout_worker_completions",
             "Completions each generation worker delivered in completed steps",
             series.worker_completions.clone(),
+        );
+        registry.register(
+            "rollout_samples_excluded",
+            "Samples left out of training, by reason (samples_excluded_<reason>)",
+            series.samples_excluded.clone(),
+        );
+        registry.register(
+            "rollout_updates_skipped",
+            "Optimizer updates not applied, by reason (updates_skipped_<reason>)",
+            series.updates_skipped.clone(),
         );
         series
     }
@@ -263,9 +280,25 @@ impl Series {
         self.per_name(&metrics.measured);
     }
 
-    /// `reward/<name>` and `worker_completions/<name>`.
+    /// `reward/<name>`, `worker_completions/<name>`, `samples_excluded_<reason>` and
+    /// `updates_skipped_<reason>`.
     fn per_name(&self, measured: &std::collections::BTreeMap<String, f64>) {
         for (key, &value) in measured {
+            let counted = [
+                ("samples_excluded_", &self.samples_excluded),
+                ("updates_skipped_", &self.updates_skipped),
+            ];
+            for (prefix, family) in counted {
+                if let Some(reason) = key.strip_prefix(prefix)
+                    && value.is_finite()
+                    && value > 0.0
+                {
+                    let labels = ReasonLabel {
+                        reason: reason.to_owned(),
+                    };
+                    family.get_or_create(&labels).inc_by(value as u64);
+                }
+            }
             if let Some(reward) = key.strip_prefix("reward/") {
                 let labels = RewardLabels {
                     reward: reward.to_owned(),

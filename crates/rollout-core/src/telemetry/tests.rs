@@ -36,6 +36,9 @@ fn step_line(step: u64) -> StepMetrics {
         "staleness_max": 1,
         "staleness_mean": 0.5,
         "worker_completions/worker-0": 8.0,
+        "samples_excluded_malformed": 4.0,
+        "samples_excluded_nonfinite": 0.0,
+        "updates_skipped_nonfinite": 1.0,
         "epoch": 0,
         "elapsed_seconds": 1.0,
     });
@@ -93,10 +96,14 @@ fn a_step_line_sets_the_series() {
             "rollout_worker_completions_total{worker=\"worker-0\"}",
             16.0,
         ),
+        ("rollout_samples_excluded_total{reason=\"malformed\"}", 8.0),
+        ("rollout_updates_skipped_total{reason=\"nonfinite\"}", 2.0),
     ];
     for (series, expected) in expect {
         assert_eq!(value(&text, series), Some(expected), "{series} in\n{text}");
     }
+    let zero = "rollout_samples_excluded_total{reason=\"nonfinite\"}";
+    assert_eq!(value(&text, zero), None, "a zero count makes no series");
     assert!(value(&text, "rollout_last_step_timestamp_seconds").unwrap() > 1.0e9);
     assert!(text.contains("# TYPE rollout_step gauge"), "{text}");
     assert!(text.contains("# TYPE rollout_steps counter"), "{text}");

@@ -39,32 +39,50 @@ pub fn micro_batches(
     budget: usize,
     skip_zero_advantage: bool,
 ) -> (Vec<MicroBatch>, PackingStats) {
+    let (batches, stats, _) =
+        laid_out_micro_batches(sequences, objective, budget, skip_zero_advantage);
+    (batches, stats)
+}
+
+/// [`micro_batches`], and for each micro-batch the sequence (index into `sequences`) of
+/// each of its rows.
+pub fn laid_out_micro_batches(
+    sequences: &[TrainSequence],
+    objective: &Objective,
+    budget: usize,
+    skip_zero_advantage: bool,
+) -> (Vec<MicroBatch>, PackingStats, Vec<Vec<usize>>) {
     let total_loss_tokens: usize = sequences.iter().map(TrainSequence::loss_tokens).sum();
     let loss_scale = if total_loss_tokens > 0 {
         1.0 / total_loss_tokens as f32
     } else {
         0.0
     };
-    let kept: Vec<&TrainSequence> = sequences
-        .iter()
-        .filter(|s| !(skip_zero_advantage && s.advantage == 0.0) && s.loss_tokens() > 0)
+    let kept: Vec<usize> = (0..sequences.len())
+        .filter(|&i| {
+            let s = &sequences[i];
+            !(skip_zero_advantage && s.advantage == 0.0) && s.loss_tokens() > 0
+        })
         .collect();
-    let lengths: Vec<usize> = kept.iter().map(|s| s.tokens.len()).collect();
-    let groups = pack_by_token_budget(&lengths, budget);
+    let lengths: Vec<usize> = kept.iter().map(|&i| sequences[i].tokens.len()).collect();
+    let layout: Vec<Vec<usize>> = pack_by_token_budget(&lengths, budget)
+        .into_iter()
+        .map(|indices| indices.into_iter().map(|i| kept[i]).collect())
+        .collect();
     let mut stats = PackingStats {
-        micro_batches: groups.len(),
+        micro_batches: layout.len(),
         rows: kept.len(),
         skipped_rows: sequences.len() - kept.len(),
         ..PackingStats::default()
     };
-    let batches = groups
+    let batches = layout
         .iter()
         .map(|indices| {
-            let rows: Vec<&TrainSequence> = indices.iter().map(|&i| kept[i]).collect();
+            let rows: Vec<&TrainSequence> = indices.iter().map(|&i| &sequences[i]).collect();
             filled_batch(&rows, objective, loss_scale, &mut stats)
         })
         .collect();
-    (batches, stats)
+    (batches, stats, layout)
 }
 
 /// DPO's micro-batches: each pair's chosen and rejected sequences as two adjacent rows, pairs

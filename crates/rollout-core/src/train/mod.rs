@@ -26,6 +26,7 @@ mod requeue;
 mod rl_step;
 mod run_output;
 mod sampler;
+pub mod screen;
 mod sft;
 mod stale;
 mod state;
@@ -55,7 +56,7 @@ pub use checkpoint::{
     Checkpoint, CheckpointError, CheckpointStore, SnapshotFile, SnapshotFiles, verify, write_files,
 };
 pub use cursor::DataCursor;
-pub use micro_batches::{PackingStats, TrainSequence, micro_batches};
+pub use micro_batches::{PackingStats, TrainSequence, laid_out_micro_batches, micro_batches};
 pub use packing::{pack_by_token_budget, padded_tokens};
 pub use requeue::Requeued;
 pub use state::{DataPosition, RunState};

@@ -14,7 +14,7 @@ use super::outcome;
 use super::pipeline::{Pipeline, StepSamples};
 use super::sampler::{Collected, Sampler};
 use super::step_report::StepReport;
-use super::{Controller, PackingStats, RunError, TrainSequence, micro_batches, ppo};
+use super::{Controller, PackingStats, RunError, TrainSequence, laid_out_micro_batches, ppo};
 use crate::config::{Algorithm, Config, DroppedGroups};
 use crate::metrics::StepMetrics;
 use crate::roles::{RoleError, StepGroups};
@@ -95,9 +95,10 @@ impl<'a> Controller<'a> {
         let groups = outcome::step_groups(&collected, &redrawn, requeue, per_turn);
 
         let training = Instant::now();
-        let (response, packing, learning_rate) =
+        let ((response, excluded), packing, learning_rate) =
             self.train_on(sampler, step, &collected, pipeline).await?;
         let train_seconds = training.elapsed().as_secs_f64();
+        send_away_producers(sampler, step, &collected, &excluded).await?;
         let sync_started = Instant::now();
         self.send_weights(sampler, step, pipeline).await?;
         let weight_sync_seconds = sync_started.elapsed().as_secs_f64();
@@ -122,14 +123,15 @@ impl<'a> Controller<'a> {
 
     /// Trains on `collected` (sampling of later steps goes on meanwhile), the colocated
     /// generation workers' device memory released for the update. Returns the trainers'
-    /// answer, how the samples were packed, and the learning rate used.
+    /// answer with the trajectory of each row it left out, how the samples were packed, and
+    /// the learning rate used.
     async fn train_on(
         &self,
         sampler: &Sampler<'a>,
         step: u64,
         collected: &Collected,
         pipeline: &mut Pipeline<'a>,
-    ) -> Result<(TrainResponse, PackingStats, f64), RunError> {
+    ) -> Result<((TrainResponse, Vec<usize>), PackingStats, f64), RunError> {
         // Colocated generation workers free the devices the trainers are about to use (PPO's
         // value pass included) and take them back once the update is applied.
         let generator = sampler.roles.generator;
@@ -137,7 +139,7 @@ impl<'a> Controller<'a> {
             .release_memory()
             .instrument(tracing::info_span!("generator.release_memory", step))
             .await?;
-        let (batches, packing) = self
+        let (batches, packing, layout) = self
             .micro_batches(sampler, step, collected, pipeline)
             .await?;
         let learning_rate = self.learning_rate(self.state.weight_version);
@@ -159,20 +161,28 @@ impl<'a> Controller<'a> {
             .restore_memory()
             .instrument(tracing::info_span!("generator.restore_memory", step))
             .await?;
-        Ok((response, packing, learning_rate))
+        let excluded = response
+            .excluded
+            .iter()
+            .filter_map(|row| {
+                let rows = layout.get(row.micro_batch as usize)?;
+                rows.get(row.row as usize).copied()
+            })
+            .collect();
+        Ok(((response, excluded), packing, learning_rate))
     }
 
-    /// The step's samples as micro-batches of its objective. A sample whose reward failed
-    /// is not trained on at all (no loss, no KL term, not in the token count the loss is
-    /// normalised by). PPO's carry their reward, which GAE turns into token advantages
-    /// with the value head's predictions.
+    /// The step's samples as micro-batches of its objective, and the trajectory of each of
+    /// their rows. A sample whose reward failed is not trained on at all (no loss, no KL
+    /// term, not in the token count the loss is normalised by). PPO's carry their reward,
+    /// which GAE turns into token advantages with the value head's predictions.
     async fn micro_batches(
         &self,
         sampler: &Sampler<'a>,
         step: u64,
         collected: &Collected,
         pipeline: &mut Pipeline<'a>,
-    ) -> Result<(Vec<MicroBatch>, PackingStats), RunError> {
+    ) -> Result<(Vec<MicroBatch>, PackingStats, Vec<Vec<usize>>), RunError> {
         let algorithm = &self.config.algorithm;
         let ppo = algorithm.name == Algorithm::Ppo;
         let per_sequence = if ppo {
@@ -180,24 +190,31 @@ impl<'a> Controller<'a> {
         } else {
             &collected.advantages
         };
-        let sequences: Vec<TrainSequence> = collected
-            .trajectories
+        let trained: Vec<usize> = (0..collected.trajectories.len())
+            .filter(|&i| collected.failures.get(i).is_some_and(Option::is_none))
+            .collect();
+        let sequences: Vec<TrainSequence> = trained
             .iter()
-            .zip(per_sequence)
-            .zip(&collected.failures)
-            .filter(|(_, failure)| failure.is_none())
-            .map(|((trajectory, &advantage), _)| TrainSequence {
-                tokens: trajectory.tokens.clone(),
-                loss_mask: trajectory.loss_mask.clone(),
-                logprobs: trajectory.logprobs.clone(),
-                advantage: advantage as f32,
+            .map(|&i| {
+                let trajectory = &collected.trajectories[i];
+                TrainSequence {
+                    tokens: trajectory.tokens.clone(),
+                    loss_mask: trajectory.loss_mask.clone(),
+                    logprobs: trajectory.logprobs.clone(),
+                    advantage: per_sequence.get(i).copied().unwrap_or(0.0) as f32,
+                }
             })
             .collect();
         let objective = rl_objective(self.config, step);
         // A zero advantage is no gradient, unless a KL term or PPO's value loss remains.
         let skip_zero = algorithm.kl_coef == 0.0 && !ppo;
         let budget = self.config.train.micro_batch_tokens;
-        let (mut batches, packing) = micro_batches(&sequences, &objective, budget, skip_zero);
+        let (mut batches, packing, layout) =
+            laid_out_micro_batches(&sequences, &objective, budget, skip_zero);
+        let layout = layout
+            .into_iter()
+            .map(|rows| rows.into_iter().map(|s| trained[s]).collect())
+            .collect();
         if ppo {
             let request = ValuesRequest {
                 micro_batches: batches.clone(),
@@ -214,7 +231,7 @@ impl<'a> Controller<'a> {
             ppo::attach_targets(&mut batches, values.values, algorithm)
                 .map_err(|err| RoleError::Protocol(format!("the value head: {err}")))?;
         }
-        Ok((batches, packing))
+        Ok((batches, packing, layout))
     }
 
     /// Sends the learner's new weights to generators that hold their own; with no
@@ -283,6 +300,46 @@ impl<'a> Controller<'a> {
         let rl_updates = weight_version.saturating_sub(self.state.sft_step) + 1;
         warmed_up(self.config.train.learning_rate, self.config, rl_updates)
     }
+}
+
+/// The trainer left the trajectories `excluded` (indices into `collected`) out of step
+/// `step`'s update: their data was invalid or their loss not finite, which no honest
+/// generation worker's sample is, so the workers that produced them are sent away as for a
+/// malformed answer.
+async fn send_away_producers(
+    sampler: &Sampler<'_>,
+    step: u64,
+    collected: &Collected,
+    excluded: &[usize],
+) -> Result<(), RunError> {
+    if excluded.is_empty() {
+        return Ok(());
+    }
+    let mut producers: Vec<String> = excluded
+        .iter()
+        .filter_map(|&i| collected.trajectories.get(i))
+        .flat_map(|trajectory| trajectory.producers.iter().cloned())
+        .collect();
+    producers.sort_unstable();
+    producers.dedup();
+    tracing::warn!(
+        "step {step}: the trainer left {} samples out of the update (invalid data or a \
+         non-finite loss){}",
+        excluded.len(),
+        if producers.is_empty() {
+            String::new()
+        } else {
+            format!(
+                "; sending away the workers that generated them: {}",
+                producers.join(", ")
+            )
+        }
+    );
+    if producers.is_empty() {
+        return Ok(());
+    }
+    let reason = format!("the trainer left samples it generated out of step {step}'s update");
+    Ok(sampler.roles.generator.send_away(producers, reason).await?)
 }
 
 /// `rate` for the `rl_update`-th RL update (from 1): linear warm-up over

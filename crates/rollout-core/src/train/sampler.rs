@@ -79,6 +79,8 @@ pub(super) struct Trajectory {
     pub weight_version: u64,
     /// Why its episode ended early: the environment failed in the sandbox.
     pub failure: Option<EpisodeFailure>,
+    /// The generation workers that generated its tokens (none in one process).
+    pub producers: Vec<String>,
 }
 
 impl Trajectory {
@@ -359,9 +361,15 @@ impl<'a> Sampler<'a> {
         let request = self.generate_request(step, records, first_group, seed);
         let response = self.roles.generator.generate(request).await?;
         let metrics = response.metrics;
+        let mut producers = response.producers.into_iter();
         let mut trajectories = Vec::with_capacity(records.len() * group_size);
         for (offset, (&record, completions)) in records.iter().zip(response.groups).enumerate() {
             let group = first_group + offset;
+            let producer: Vec<String> = producers
+                .next()
+                .filter(|p| !p.is_empty())
+                .into_iter()
+                .collect();
             let prompt = &self.prompt_ids[record];
             for completion in completions {
                 let mut tokens = prompt.clone();
@@ -380,6 +388,7 @@ impl<'a> Sampler<'a> {
                     env_return: 0.0,
                     weight_version: completion.weight_version,
                     failure: None,
+                    producers: producer.clone(),
                 });
             }
         }

@@ -36,10 +36,11 @@ pub enum MessageKind {
     ValuesResponse = 23,
     GeneratorMemory = 24,
     SealWeights = 25,
+    Loaded = 26,
 }
 
 impl MessageKind {
-    pub const ALL: [MessageKind; 25] = [
+    pub const ALL: [MessageKind; 26] = [
         MessageKind::Hello,
         MessageKind::Heartbeat,
         MessageKind::Error,
@@ -65,6 +66,7 @@ impl MessageKind {
         MessageKind::ValuesResponse,
         MessageKind::GeneratorMemory,
         MessageKind::SealWeights,
+        MessageKind::Loaded,
     ];
 
     /// The kind numbered `n`, if there is one.
@@ -82,7 +84,7 @@ impl MessageKind {
         use MessageKind::*;
         match self {
             Hello | Heartbeat | Done | Shutdown | PublishWeights | WeightsReport | SyncWeights
-            | PullWeights | CheckpointRequest | GeneratorMemory | SealWeights => 64 << 10,
+            | PullWeights | CheckpointRequest | GeneratorMemory | SealWeights | Loaded => 64 << 10,
             Error => 4 << 20,
             Welcome | WeightsBucket | WeightsUpdate => 16 << 20,
             GenerateRequest | GenerateResponse | ScoreRequest | ScoreResponse | TrainRequest
@@ -126,6 +128,7 @@ impl MessageKind {
             MessageKind::ValuesResponse => "ValuesResponse",
             MessageKind::GeneratorMemory => "GeneratorMemory",
             MessageKind::SealWeights => "SealWeights",
+            MessageKind::Loaded => "Loaded",
         }
     }
 }
@@ -175,4 +178,5 @@ impl_message! {
     ValuesResponse => ValuesResponse,
     GeneratorMemory => GeneratorMemory,
     SealWeights => SealWeights,
+    Loaded => Loaded,
 }

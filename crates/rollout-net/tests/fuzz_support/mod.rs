@@ -398,6 +398,7 @@ fn role_seeds() -> Vec<Seed> {
         (K::TokenizerResponse, json!({"op": "ids", "ids": [[1, 2]]})),
         (K::CheckpointRequest, restore),
         (K::Done, json!({})),
+        (K::Loaded, json!({"vocabulary": 151936})),
         (K::Shutdown, json!({"reason": "the run finished"})),
         (K::GeneratorMemory, json!("restore")),
     ]
@@ -736,6 +737,7 @@ pub fn decode_frame(frame: &Frame) -> usize {
         K::TokenizerResponse => parse::<TokenizerResponse>(frame, none),
         K::CheckpointRequest => parse::<CheckpointRequest>(frame, none),
         K::Done => parse::<Done>(frame, none),
+        K::Loaded => parse::<Loaded>(frame, none),
         K::PublishWeights => parse::<PublishWeights>(frame, none),
         K::WeightsReport => parse::<WeightsReport>(frame, none),
         K::SyncWeights => parse::<SyncWeights>(frame, none),

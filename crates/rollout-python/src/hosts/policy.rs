@@ -91,6 +91,11 @@ impl PolicyHost {
         self.policy.spec()
     }
 
+    /// How many token ids the policy takes (see `PolicyPlugin::vocabulary`).
+    pub fn vocabulary(&self) -> u64 {
+        self.policy.vocabulary()
+    }
+
     pub fn weight_version(&self) -> u64 {
         self.weight_version.load(Ordering::SeqCst)
     }
@@ -250,7 +255,7 @@ impl Learner for PolicyHost {
     fn train(&self, request: TrainRequest) -> RoleFuture<'_, TrainResponse> {
         let policy = self.policy.clone();
         traced(|| tracing::info_span!("policy.train"), async move {
-            let metrics = self
+            let (metrics, excluded) = self
                 .worker
                 .run(move |py| policy.train(py, &request))
                 .await??;
@@ -258,6 +263,7 @@ impl Learner for PolicyHost {
             Ok(TrainResponse {
                 metrics,
                 weight_version,
+                excluded,
             })
         })
     }

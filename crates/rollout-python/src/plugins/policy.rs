@@ -21,6 +21,8 @@ use crate::contract::{
 
 pub struct PolicyPlugin {
     pub(super) plugin: PluginRef,
+    /// How many token ids the model takes: every id it is given or gives is checked.
+    pub(super) vocabulary: u64,
     /// The `rollout_sdk.distributed.GradientReducer` of the data-parallel group this
     /// trainer rank joined, if any.
     pub(super) data_parallel: std::sync::OnceLock<Py<PyAny>>,
@@ -37,8 +39,10 @@ impl PolicyPlugin {
         policy: &PluginConfig,
     ) -> Result<Self, PluginLoadError> {
         let plugin = PluginRef::load(py, loaded, key, &policy.plugin, &policy.options, "Policy")?;
+        let vocabulary = vocabulary_of(py, &plugin, policy)?;
         Ok(PolicyPlugin {
             plugin,
+            vocabulary,
             data_parallel: std::sync::OnceLock::new(),
             served_in_place: std::sync::Mutex::new(None),
         })
@@ -46,6 +50,12 @@ impl PolicyPlugin {
 
     pub fn spec(&self) -> &str {
         &self.plugin.spec
+    }
+
+    /// How many token ids the model takes (ids `0..vocabulary`): from its
+    /// `vocabulary_size` hook, else its `model_path`'s `config.json`.
+    pub fn vocabulary(&self) -> u64 {
+        self.vocabulary
     }
 
     /// Tokenises prompts, or with `continuation` text appended to an existing context.
@@ -158,6 +168,7 @@ impl PolicyPlugin {
         Ok(GenerateResponse {
             groups: out,
             metrics: Default::default(),
+            producers: Vec::new(),
         })
     }
 
@@ -335,17 +346,64 @@ impl PolicyPlugin {
         self.plugin.call(py, "load", (directory,)).map(drop)
     }
 
+    /// `ids` as token ids, each inside the vocabulary.
     fn token_ids(
         &self,
         hook: &'static str,
         ids: impl Iterator<Item = i64>,
     ) -> Result<Vec<u32>, PluginError> {
         ids.map(|id| {
-            u32::try_from(id).map_err(|_| {
-                self.plugin
-                    .bad_return(hook, format!("token id {id} is out of range"))
-            })
+            u32::try_from(id)
+                .ok()
+                .filter(|&id| u64::from(id) < self.vocabulary)
+                .ok_or_else(|| {
+                    self.plugin.bad_return(
+                        hook,
+                        format!(
+                            "token id {id} is outside the policy's vocabulary of {}",
+                            self.vocabulary
+                        ),
+                    )
+                })
         })
         .collect()
     }
+}
+
+/// The vocabulary size of the loaded `plugin`: its `vocabulary_size()`, else `vocab_size`
+/// in the `config.json` under its `model_path` option. A policy with neither is refused:
+/// token ids could not be checked before they reach the model.
+fn vocabulary_of(
+    py: Python<'_>,
+    plugin: &PluginRef,
+    policy: &PluginConfig,
+) -> Result<u64, PluginLoadError> {
+    let hook = "vocabulary_size";
+    match plugin.object.bind(py).call_method0(hook) {
+        Ok(size) => {
+            return match size.extract::<u64>() {
+                Ok(size) if size > 0 => Ok(size),
+                _ => Err(plugin.bad_return(hook, "must return a positive int").into()),
+            };
+        }
+        Err(err) if err.is_instance_of::<pyo3::exceptions::PyNotImplementedError>(py) => {}
+        Err(err) => return Err(plugin.raised(py, hook, &err).into()),
+    }
+    let model_path = policy.options.get("model_path").and_then(|v| v.as_str());
+    let from_config = model_path.and_then(|path| {
+        rollout_core::plan::ModelShape::read(Path::new(path))
+            .ok()
+            .map(|shape| shape.vocab_size)
+    });
+    from_config.filter(|&size| size > 0).ok_or_else(|| {
+        plugin
+            .bad_return(
+                hook,
+                "the policy's vocabulary size is unknown: implement `vocabulary_size()` \
+                 (rollout_sdk.Policy), or give it a `model_path` option whose config.json \
+                 has `vocab_size`. Every token id is checked against it before the model \
+                 sees it, so the run cannot start without it",
+            )
+            .into()
+    })
 }

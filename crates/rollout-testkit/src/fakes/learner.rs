@@ -6,7 +6,8 @@ use std::sync::{Arc, Mutex};
 
 use rollout_core::roles::{Learner, Publication, RoleError, RoleFuture, SaveWritten};
 use rollout_net::messages::{
-    TrainRequest, TrainResponse, ValuesRequest, ValuesResponse, WeightsReport,
+    ExcludedRow, Exclusion, TrainRequest, TrainResponse, ValuesRequest, ValuesResponse,
+    WeightsReport,
 };
 use tokio::sync::watch;
 
@@ -28,6 +29,8 @@ pub struct FakeLearner {
     value: f32,
     /// The update that reaches this version answers with the other instead.
     forged: Option<(u64, u64)>,
+    /// The update that reaches this version leaves this row out, as for a non-finite loss.
+    excluding: Option<(u64, ExcludedRow)>,
     /// How long each update takes.
     update_time: std::time::Duration,
     events: Mutex<Vec<String>>,
@@ -44,6 +47,7 @@ impl Default for FakeLearner {
             needs_weight_sync: false,
             value: 0.0,
             forged: None,
+            excluding: None,
             update_time: std::time::Duration::ZERO,
             events: Mutex::default(),
             requests: Mutex::default(),
@@ -56,6 +60,20 @@ impl FakeLearner {
     pub fn claiming_version(self, at: u64, claimed: u64) -> Self {
         FakeLearner {
             forged: Some((at, claimed)),
+            ..self
+        }
+    }
+
+    /// The update that reaches version `at` leaves row `row` of micro-batch `micro_batch`
+    /// out, as a trainer does a row whose loss is not finite.
+    pub fn excluding_at(self, at: u64, micro_batch: u32, row: u32) -> Self {
+        let row = ExcludedRow {
+            micro_batch,
+            row,
+            reason: Exclusion::NonFinite,
+        };
+        FakeLearner {
+            excluding: Some((at, row)),
             ..self
         }
     }
@@ -144,6 +162,10 @@ impl Learner for FakeLearner {
         let version = self.version.fetch_add(1, Ordering::SeqCst) + 1;
         self.record(format!("train {version}"));
         self.trained.send_replace(version);
+        let excluded: Vec<ExcludedRow> = match self.excluding {
+            Some((at, row)) if at == version => vec![row],
+            _ => Vec::new(),
+        };
         let version = match self.forged {
             Some((at, claimed)) if at == version => claimed,
             _ => version,
@@ -155,9 +177,14 @@ impl Learner for FakeLearner {
                 metrics: [
                     ("loss".to_string(), 1.0),
                     ("loss_tokens".to_string(), loss_tokens as f64),
+                    (
+                        "samples_excluded_nonfinite".to_string(),
+                        excluded.len() as f64,
+                    ),
                 ]
                 .into(),
                 weight_version: version,
+                excluded,
             })
         })
     }

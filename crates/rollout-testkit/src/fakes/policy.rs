@@ -130,6 +130,7 @@ impl Generator for FakePolicy {
             Ok(GenerateResponse {
                 groups,
                 metrics: BTreeMap::from([("engine/steps".to_owned(), 2.0)]),
+                producers: Vec::new(),
             })
         })
     }

@@ -8,7 +8,7 @@ use bytes::Bytes;
 use rollout_net::link::{Link, LinkLimits};
 use rollout_net::messages::{
     Completion, Done, FinishReason, GenerateRequest, GenerateResponse, GeneratorMemory, Hello,
-    MessageKind, PromptRequest, SealWeights, SyncWeights,
+    MessageKind, PromptRequest, SealWeights, SyncWeights, TokenizerRequest, TokenizerResponse,
 };
 use rollout_net::rpc::{Incoming, Responder, RpcClient};
 use rollout_net::{ClusterKey, NetError};
@@ -41,14 +41,21 @@ pub enum Malformation {
     ForgedVersion,
     /// A NaN logprob.
     NanLogprob,
+    /// A logprob of -95, finite but below any a sampler gives: `exp(-(-95))` overflows
+    /// float32, so an importance ratio over it would be infinite.
+    PoisonedLogprob,
 }
 
+/// The logprob a [`Malformation::PoisonedLogprob`] worker reports.
+pub const POISONED_LOGPROB: f32 = -95.0;
+
 impl Malformation {
-    pub const ALL: [Malformation; 4] = [
+    pub const ALL: [Malformation; 5] = [
         Self::ShortLogprobs,
         Self::OutOfVocabulary,
         Self::ForgedVersion,
         Self::NanLogprob,
+        Self::PoisonedLogprob,
     ];
 
     fn apply(self, completion: &mut Completion) {
@@ -59,6 +66,7 @@ impl Malformation {
             Self::OutOfVocabulary => completion.token_ids[0] = u32::MAX,
             Self::ForgedVersion => completion.weight_version += 1,
             Self::NanLogprob => completion.logprobs[0] = f32::NAN,
+            Self::PoisonedLogprob => completion.logprobs[0] = POISONED_LOGPROB,
         }
     }
 }
@@ -96,6 +104,7 @@ pub fn seed_answers() -> Answer {
             .map(|p| vec![seed_completion(p); p.n as usize])
             .collect(),
         metrics: Default::default(),
+        producers: Vec::new(),
     })
 }
 
@@ -164,6 +173,7 @@ impl FakeWorker {
                 }
             }
             MessageKind::GenerateRequest => return self.generate(responder, incoming),
+            MessageKind::TokenizerRequest => self.tokenize(responder, &incoming),
             _ => {
                 let _ = responder.fail(incoming.call, "a fake worker only generates");
             }
@@ -183,6 +193,33 @@ impl FakeWorker {
             return ControlFlow::Break(());
         }
         ControlFlow::Continue(())
+    }
+
+    /// Encodes each text as its bytes (the first id `u32::MAX` when it sends ids past any
+    /// vocabulary), decodes ids as their numbers; its end-of-sequence id is 0.
+    fn tokenize(&self, responder: &Responder, incoming: &Incoming) {
+        let answer = match incoming.decode::<TokenizerRequest>() {
+            Ok(TokenizerRequest::Encode { texts, .. }) => {
+                let mut ids: Vec<Vec<u32>> = texts
+                    .iter()
+                    .map(|text| text.bytes().map(u32::from).collect())
+                    .collect();
+                let outside = Behaviour::Malformed(Malformation::OutOfVocabulary);
+                if let (true, Some(first)) = (self.behaviour == outside, ids.first_mut()) {
+                    first.insert(0, u32::MAX);
+                }
+                TokenizerResponse::Ids { ids }
+            }
+            Ok(TokenizerRequest::Decode { sequences }) => TokenizerResponse::Texts {
+                texts: sequences.iter().map(|ids| format!("{ids:?}")).collect(),
+            },
+            Ok(TokenizerRequest::EosTokenIds) => TokenizerResponse::Ids { ids: vec![vec![0]] },
+            Err(err) => {
+                let _ = responder.fail(incoming.call, err.to_string());
+                return;
+            }
+        };
+        let _ = responder.reply(incoming.call, &answer, Bytes::new(), false);
     }
 
     fn generate(&mut self, responder: &Responder, incoming: Incoming) -> ControlFlow<()> {

@@ -19,7 +19,7 @@ use rollout_net::ClusterKey;
 use rollout_net::gate::Gate;
 use rollout_net::heard::HeardClock;
 use rollout_net::link::{Link, LinkLimits};
-use rollout_net::messages::{Done, Hello, Welcome};
+use rollout_net::messages::{Hello, Loaded, Welcome};
 use rollout_net::rpc::RpcClient;
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
@@ -126,14 +126,17 @@ pub async fn gather(
         .map_err(|err| ClusterError::Protocol(format!("cannot serialise the config: {err}")))?;
     let workers: Vec<RpcClient> = workers.into_iter().map(Link::client).collect();
     let trainers: Vec<RpcClient> = ranks.into_iter().flatten().map(Link::client).collect();
-    welcome_all(&workers, &trainers, &config_toml, deadline).await?;
+    let vocabulary = welcome_all(&workers, &trainers, &config_toml, deadline).await?;
+    tracing::info!(
+        "the policy takes {vocabulary} token ids; every worker's are checked against it"
+    );
     let journal = loaded.config.run.output_dir.join("ledger.jsonl");
     let settings = PoolSettings {
         lease_timeout: Duration::from_secs_f64(cluster.lease_timeout_seconds),
         join_timeout: limit,
         max_attempts: cluster.max_attempts,
         health: health.clone(),
-        vocabulary: rollout_core::plan::policy_vocabulary(loaded),
+        vocabulary: Some(vocabulary),
         colocated: cluster.colocated(),
     };
     let workers = RemoteWorkers::new(workers, Ledger::new(Some(&journal)), settings);
@@ -207,13 +210,14 @@ fn take_rank(ranks: &mut [Option<Link>], link: Link, trainers: u32) {
 }
 
 /// Sends every role the run's config, then waits until each has loaded its policy or
-/// `deadline` passes.
+/// `deadline` passes. Returns the policy's vocabulary size as the trainer ranks loaded it
+/// (they hold the model that trains; a worker's word on it is not taken).
 async fn welcome_all(
     workers: &[RpcClient],
     trainers: &[RpcClient],
     config_toml: &str,
     deadline: tokio::time::Instant,
-) -> Result<(), ClusterError> {
+) -> Result<u64, ClusterError> {
     let mut welcomes = Vec::new();
     for (index, client) in workers.iter().chain(trainers).enumerate() {
         let welcome = Welcome {
@@ -225,13 +229,34 @@ async fn welcome_all(
             client.call(&welcome, Bytes::new())?,
         ));
     }
-    for (who, call) in welcomes {
-        tokio::time::timeout_at(deadline, call.answer::<Done>())
+    let mut vocabularies = Vec::new();
+    for (index, (who, call)) in welcomes.into_iter().enumerate() {
+        let (loaded, _) = tokio::time::timeout_at(deadline, call.answer::<Loaded>())
             .await
             .map_err(|_| ClusterError::Protocol(format!("{who} did not load in time")))?
             .map_err(|err| ClusterError::Protocol(format!("{who} could not start: {err}")))?;
+        if index >= workers.len() {
+            vocabularies.push((who, loaded.vocabulary));
+        }
     }
-    Ok(())
+    trainers_vocabulary(&vocabularies)
+}
+
+/// The vocabulary every trainer rank reported: ranks that disagree did not load the same
+/// model, and the run does not start.
+fn trainers_vocabulary(reported: &[(String, u64)]) -> Result<u64, ClusterError> {
+    let Some((_, first)) = reported.first() else {
+        return Err(ClusterError::Protocol(
+            "no trainer rank reported the policy's vocabulary".into(),
+        ));
+    };
+    match reported.iter().find(|(_, size)| size != first) {
+        Some((who, size)) => Err(ClusterError::Protocol(format!(
+            "the trainer ranks loaded different models: {who} takes {size} token ids, rank 0 \
+             takes {first}"
+        ))),
+        None => Ok(*first),
+    }
 }
 
 /// Reports the trainer ranks as joined; returns their names and connection clocks.

@@ -10,7 +10,7 @@ use rollout_core::config::{LoadedConfig, load_text};
 use rollout_core::roles::RoleError;
 use rollout_core::threads::THREADS_VARIABLE;
 use rollout_net::link::{Link, LinkLimits};
-use rollout_net::messages::{Done, Hello, Message, MessageKind, Welcome};
+use rollout_net::messages::{Done, Hello, Loaded, Message, MessageKind, Welcome};
 use rollout_net::rpc::{Incoming, Responder, RpcServer};
 use rollout_net::{ClusterKey, NetError};
 use rollout_python::hosts::PolicyHost;
@@ -112,10 +112,10 @@ pub(super) struct Welcomed {
 }
 
 impl Welcomed {
-    /// Answers the welcome: loaded and ready, or why not.
-    pub fn answer(&self, loaded: Result<(), &ClusterError>) {
+    /// Answers the welcome: loaded and ready (with the policy's vocabulary size), or why not.
+    pub fn answer(&self, loaded: Result<u64, &ClusterError>) {
         let answered = match loaded {
-            Ok(()) => Ok(Done {}),
+            Ok(vocabulary) => Ok(Loaded { vocabulary }),
             Err(err) => Err(RoleError::Runtime(err.to_string())),
         };
         answer(&self.server.responder, self.call, answered);
@@ -192,7 +192,7 @@ pub(super) async fn join(
     let welcomed = welcome(role, args, info).await?;
     match load_policy(&welcomed.loaded).await {
         Ok(host) => {
-            welcomed.answer(Ok(()));
+            welcomed.answer(Ok(host.vocabulary()));
             Ok((welcomed.server, welcomed.loaded, Arc::new(host)))
         }
         Err(err) => {

@@ -110,7 +110,7 @@ pub async fn run_worker(args: RoleArgs) -> Result<(), ClusterError> {
                 }
             },
         };
-        welcomed.answer(Ok(()));
+        welcomed.answer(Ok(host.vocabulary()));
         let serving = Serving {
             args: &args,
             host,

@@ -6,9 +6,15 @@
 
 use rollout_net::messages::{Completion, PromptRequest, SamplingParams};
 
-/// The lowest logprob a sampled token may carry: far below any a sampler picks, far above
-/// what overflows `exp` in the loss's ratios.
-pub const MIN_LOGPROB: f32 = -1.0e4;
+/// The lowest logprob a sampled token may carry. A token this unlikely (p < e^-80 = 1.8e-35)
+/// is never sampled: with a vocabulary of a million tokens, all of them that unlikely
+/// together are drawn with p < 1.8e-29 per token, about one in 10^13 over a run of 10^15
+/// generated tokens; top-p and top-k cut such tokens before they can be drawn, and the
+/// logprob is of the same (temperature-scaled) distribution the token was drawn from. And
+/// `exp(-MIN_LOGPROB)` (5.5e34) is finite in float32 and bfloat16 (both overflow past
+/// e^88.7), so no accepted value can overflow an importance ratio; the loss also clamps
+/// every log-ratio to 20 (`rollout_sdk.objectives.LOG_RATIO_BOUND`).
+pub const MIN_LOGPROB: f32 = -80.0;
 /// Rounding room above 0 for logprobs computed in low precision.
 pub const MAX_LOGPROB: f32 = 1.0e-3;
 
@@ -163,6 +169,10 @@ mod tests {
                 "logprob 0.7",
             ),
             (
+                vec![honest(), completion(vec![1, 2], vec![-1.0, -95.0], 5)],
+                "logprob -95 outside [-80, 0]",
+            ),
+            (
                 vec![honest(), completion(vec![1], vec![-1.0], 6)],
                 "weight version 6 claimed, but the newest sent to this worker is 5",
             ),
@@ -171,6 +181,15 @@ mod tests {
             let refused = check(&group).expect_err(reason);
             assert!(refused.contains(reason), "{refused} lacks {reason}");
         }
+    }
+
+    #[test]
+    fn the_logprob_floor_is_accepted_and_its_ratio_is_finite() {
+        let floor = completion(vec![1, 2], vec![MIN_LOGPROB, -0.0], 5);
+        assert_eq!(check(&[honest(), floor]), Ok(()));
+        // The largest ratio an accepted logprob allows, new logprob 0 over the floor.
+        assert!((-MIN_LOGPROB).exp().is_finite());
+        assert!((-MIN_LOGPROB + 8.0).exp().is_finite(), "room for rounding");
     }
 
     #[test]

@@ -22,6 +22,8 @@ use crate::roles::RoleError;
 pub(super) struct Generation {
     request: GenerateRequest,
     results: Vec<Option<Vec<Completion>>>,
+    /// The worker whose answer each prompt's group is.
+    producers: Vec<String>,
     /// Leases so far, per prompt.
     attempts: Vec<u32>,
     /// Prompts to lease (again).
@@ -124,10 +126,9 @@ impl Shared {
     /// was rejected as late (to be generated again).
     fn accept(
         &self,
-        request: &GenerateRequest,
         share: &Share,
         response: GenerateResponse,
-        results: &mut [Option<Vec<Completion>>],
+        generation: &mut Generation,
     ) -> Result<Vec<usize>, RoleError> {
         let mut ledger = lock(&self.ledger);
         let now = Instant::now();
@@ -139,10 +140,11 @@ impl Shared {
             .zip(&share.leases)
             .zip(response.groups)
         {
-            let tracked = request.prompts[position].group.is_some();
+            let tracked = generation.request.prompts[position].group.is_some();
             if !tracked || ledger.complete(lease, now).map_err(journal_error)? {
                 completions += group.len() as u64;
-                results[position] = Some(group);
+                generation.results[position] = Some(group);
+                generation.producers[position] = share.member.name.clone();
             } else {
                 again.push(position);
             }
@@ -155,7 +157,7 @@ impl Shared {
     }
 
     /// Refuses a malformed answer: its worker is sent away, its leases are revoked and its
-    /// prompts leased again.
+    /// prompts leased again; the samples it answered for are counted as excluded.
     fn refuse(
         &self,
         generation: &mut Generation,
@@ -164,7 +166,15 @@ impl Shared {
     ) -> Result<(), RoleError> {
         self.send_away(&share.member, &reason);
         self.revoke(&share, &RoleError::Protocol(reason))?;
-        lock(&self.tally).malformed += 1;
+        let samples: u64 = share
+            .positions
+            .iter()
+            .map(|&p| u64::from(generation.request.prompts[p].n))
+            .sum();
+        let mut tally = lock(&self.tally);
+        tally.malformed += 1;
+        tally.samples_refused += samples;
+        drop(tally);
         generation.pending.extend(share.positions);
         Ok(())
     }
@@ -189,6 +199,7 @@ impl Shared {
         let mut generation = Generation {
             request,
             results: vec![None; total],
+            producers: vec![String::new(); total],
             attempts: vec![0; total],
             pending: (0..total).collect(),
             in_flight: FuturesUnordered::new(),
@@ -265,12 +276,7 @@ impl Shared {
                         continue;
                     }
                     generation.parts.push(response.metrics.clone());
-                    let again = self.accept(
-                        &generation.request,
-                        &share,
-                        response,
-                        &mut generation.results,
-                    )?;
+                    let again = self.accept(&share, response, &mut generation)?;
                     generation.pending.extend(again);
                 }
                 Err(err) if is_loss(&err) => {
@@ -292,6 +298,7 @@ impl Shared {
                 .map(Option::unwrap_or_default)
                 .collect(),
             metrics,
+            producers: generation.producers,
         })
     }
 }

@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use rollout_net::link::Link;
 use rollout_net::messages::{
-    Done, GenerateRequest, GenerateResponse, GeneratorMemory, Shutdown, SyncWeights,
+    Done, GenerateRequest, GenerateResponse, GeneratorMemory, Loaded, Shutdown, SyncWeights,
     TokenizerRequest, TokenizerResponse, WeightsReport, Welcome,
 };
 use rollout_net::rpc::RpcClient;
@@ -31,6 +31,8 @@ use super::remote::send;
 use crate::roles::{Generator, Publication, RoleError, RoleFuture, StepGroups, Tokenizer};
 use crate::telemetry::{RoleKind, WorkerHealth};
 use sync::verify;
+
+pub use checks::{MAX_LOGPROB, MIN_LOGPROB};
 
 /// How the pool treats slow, lost and late workers.
 #[derive(Debug, Clone)]
@@ -92,13 +94,14 @@ impl Member {
     }
 }
 
-/// Joins and losses since the last report, answers refused as malformed, and completions
-/// per worker.
+/// Joins and losses since the last report, answers refused as malformed (and the samples
+/// they held), and completions per worker.
 #[derive(Default)]
 struct Tally {
     joined: u64,
     lost: u64,
     malformed: u64,
+    samples_refused: u64,
     completions: BTreeMap<String, u64>,
 }
 
@@ -269,7 +272,7 @@ impl Shared {
             assignment: serde_json::json!({ "late": true }),
         };
         let limit = self.settings.join_timeout;
-        tokio::time::timeout(limit, send::<_, Done>(&member.client, &welcome))
+        tokio::time::timeout(limit, send::<_, Loaded>(&member.client, &welcome))
             .await
             .map_err(|_| self.timed_out(&member, limit))??;
         loop {
@@ -434,16 +437,39 @@ impl Shared {
         }
     }
 
-    /// Runs a tokenizer call on some live worker, moving on when one is lost.
+    /// Runs a tokenizer call on some live worker, moving on when one is lost or answers
+    /// token ids outside the vocabulary (it is sent away, as for any malformed answer).
     async fn tokenize(&self, request: TokenizerRequest) -> Result<TokenizerResponse, RoleError> {
         loop {
             let members = self.live_members().await?;
             let member = &members[0];
             match send::<_, TokenizerResponse>(&member.client, &request).await {
                 Err(err) if is_loss(&err) => self.lose(member, &err),
+                Ok(answer) => match self.outside_vocabulary(&answer) {
+                    Some(reason) => {
+                        self.send_away(member, &reason);
+                        lock(&self.tally).malformed += 1;
+                    }
+                    None => return Ok(answer),
+                },
                 answer => return answer,
             }
         }
+    }
+
+    /// Why a tokenizer's answer cannot be used: an id past the policy's vocabulary.
+    fn outside_vocabulary(&self, answer: &TokenizerResponse) -> Option<String> {
+        let (TokenizerResponse::Ids { ids }, Some(vocabulary)) = (answer, self.settings.vocabulary)
+        else {
+            return None;
+        };
+        let id = ids
+            .iter()
+            .flatten()
+            .find(|&&id| u64::from(id) >= vocabulary)?;
+        Some(format!(
+            "the tokenizer answered token id {id}, outside the vocabulary of {vocabulary}"
+        ))
     }
 
     /// Pool metrics since the last call: `workers`, joins and losses, the ledger's counts,
@@ -463,6 +489,10 @@ impl Shared {
             ("leases_revoked".to_owned(), revoked as f64),
             ("answers_rejected".to_owned(), rejected as f64),
             ("answers_malformed".to_owned(), tally.malformed as f64),
+            (
+                "samples_excluded_malformed".to_owned(),
+                tally.samples_refused as f64,
+            ),
         ]);
         for (name, count) in tally.completions {
             metrics.insert(format!("worker_completions/{name}"), count as f64);
@@ -504,6 +534,17 @@ impl Generator for RemoteWorkers {
 
     fn restore_memory(&self) -> RoleFuture<'_, ()> {
         Box::pin(self.shared.set_memory(GeneratorMemory::Restore))
+    }
+
+    /// Sends away the named workers still in the pool, as for a malformed answer (each
+    /// counted in `answers_malformed`).
+    fn send_away(&self, workers: Vec<String>, reason: String) -> RoleFuture<'_, ()> {
+        let members = lock(&self.shared.members).clone();
+        for member in members.iter().filter(|m| workers.contains(&m.name)) {
+            self.shared.send_away(member, &reason);
+            lock(&self.shared.tally).malformed += 1;
+        }
+        Box::pin(async { Ok(()) })
     }
 }
 

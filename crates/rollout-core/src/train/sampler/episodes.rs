@@ -84,13 +84,18 @@ impl Sampler<'_> {
                 .generate_turn(step, seed, turn, &trajectories, &live)
                 .await?;
             generator_metrics.push(response.metrics);
+            let mut producers = response.producers.into_iter();
             let mut acting = Vec::with_capacity(live.len());
             let mut actions = Vec::with_capacity(live.len());
             for (&i, mut group) in live.iter().zip(response.groups) {
+                let producer = producers.next().unwrap_or_default();
                 let Some(completion) = group.pop() else {
                     continue;
                 };
                 let trajectory = &mut trajectories[i];
+                if !producer.is_empty() && !trajectory.producers.contains(&producer) {
+                    trajectory.producers.push(producer);
+                }
                 trajectory.tokens.extend_from_slice(&completion.token_ids);
                 trajectory.logprobs.extend_from_slice(&completion.logprobs);
                 trajectory
@@ -143,6 +148,7 @@ impl Sampler<'_> {
                 env_return: 0.0,
                 weight_version: u64::MAX,
                 failure,
+                producers: Vec::new(),
             });
         }
         Ok(trajectories)
