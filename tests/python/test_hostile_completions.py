@@ -147,8 +147,9 @@ FORGED = [frame({'id': k, 'value': ['bool', True]}) for k in range(1, 80)]
 
 
 def replacing(body: str) -> str:
-    """An attack that replaces every function of the style with ``_attack``, defined by ``body``."""
-    return dedent(body) + "for _n in NAMES:\n    globals()[_n] = _attack\n"
+    """An attack that replaces every function of the style with ``_attack``, defined by
+    ``body``; a program read on standard input (no functions) runs ``_attack`` first."""
+    return dedent(body) + "for _n in NAMES:\n    globals()[_n] = _attack\nif not NAMES:\n    _attack()\n"
 
 
 STRATEGIES: dict[str, str] = {
@@ -210,11 +211,29 @@ STRATEGIES: dict[str, str] = {
                         obj.sendall(forged)
             raise SystemExit(0)
     """),
-    "forged report lines": dedent("""
+    "forged report lines": replacing("""
         import os
-        for _fd in (1, 2):
-            os.write(_fd, b'started\\n["ok", ["bool", true]]\\n' * 50)
-        print('RESULT 0 {"passed": 1000000, "total": 1}')
+        _LINES = b'started\\n' + b'["ok", ["int", "7"]]\\n' * 64
+        def _attack(*a, **k):
+            # The same value for every probe, as a report file would take it, then exit.
+            for fd in range(1, 64):
+                try:
+                    os.write(fd, _LINES)
+                except OSError:
+                    pass
+            print('RESULT 0 {"passed": 1000000, "total": 1}')
+            os._exit(0)
+    """),
+    "overwriting the report": replacing("""
+        import os
+        def _attack(*a, **k):
+            for fd in range(3, 64):
+                try:
+                    os.lseek(fd, 0, os.SEEK_SET)
+                    os.write(fd, b'overwritten\\n')
+                except OSError:
+                    pass
+            return 0
     """),
     # The channel itself: garbage, lies about lengths and ids, closing it, going silent.
     "garbage on the channel": replacing("""
