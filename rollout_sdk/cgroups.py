@@ -14,7 +14,9 @@ make child cgroups, in this order:
 - else none: the caller says so (``describe``) and falls back to the address-space limit and
   sized tmpfs mounts.
 
-Each program gets its own child cgroup (``p<n>``), removed once the program is reaped.
+Each program gets its own child cgroup (``program-<n>``), removed once the program is reaped;
+the parent (``rollout-sandbox-<pid>``) is removed at exit, or by the next process to look
+for cgroups when this one was killed.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ class Cgroups:
     def limit(self, pid: int, memory_bytes: int) -> ProgramCgroup:
         """A new cgroup holding ``pid``, limited to ``memory_bytes`` (no swap) and
         :data:`PIDS` processes. :class:`CgroupError` if it cannot be made."""
-        name = f"p{next(_numbers)}"
+        name = f"program-{next(_numbers)}"
         directories = tuple(parent / name for parent in self.parents)
         try:
             for directory in directories:
@@ -225,8 +227,7 @@ def _delegated_v2(directory: Path) -> Cgroups | None:
         if not {"memory", "pids"} <= set(controllers):
             return None
         (directory / "cgroup.subtree_control").write_text("+memory +pids")
-        parent = directory / f"rollout-sandbox-{os.getpid()}"
-        parent.mkdir(exist_ok=True)
+        parent = _own_parent(directory)
         (parent / "cgroup.subtree_control").write_text("+memory +pids")
     except OSError:
         return None
@@ -239,9 +240,8 @@ def _v1(mounts: dict[str, Path], own: dict[str, str]) -> Cgroups | None:
     for controller in ("memory", "pids"):
         if controller not in mounts or controller not in own:
             return None
-        parent = mounts[controller] / own[controller].lstrip("/") / f"rollout-sandbox-{os.getpid()}"
         try:
-            parent.mkdir(exist_ok=True)
+            parent = _own_parent(mounts[controller] / own[controller].lstrip("/"))
         except OSError:
             return None
         parents.append(parent)
@@ -250,12 +250,30 @@ def _v1(mounts: dict[str, Path], own: dict[str, str]) -> Cgroups | None:
     return Cgroups(version=1, parents=tuple(parents))
 
 
+def _own_parent(directory: Path) -> Path:
+    """This process's parent cgroup under ``directory``, made after removing those of
+    processes that are gone (killed before they could remove their own)."""
+    for stale in directory.glob("rollout-sandbox-*"):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            _remove_tree(stale)
+    parent = directory / f"rollout-sandbox-{os.getpid()}"
+    parent.mkdir(exist_ok=True)
+    return parent
+
+
+def _remove_tree(parent: Path) -> None:
+    """Removes ``parent`` and its programs' cgroups (a cgroup's files go with it)."""
+    for child in parent.glob("program-*"):
+        if child.is_dir():
+            _rmdir(child)
+    _rmdir(parent)
+
+
 def _remove_at_exit(parent: Path) -> None:
     def remove() -> None:
         for leftover in list(_leftovers):
             _rmdir(leftover)
-        for child in parent.glob("p*"):
-            _rmdir(child)
-        _rmdir(parent)
+        _remove_tree(parent)
 
     atexit.register(remove)

@@ -266,6 +266,16 @@ def test_cgroups_are_found_and_limit_each_program(tmp_path: Path, v1: bool) -> N
     assert (program.directories[-1] / "pids.max").read_text() == "8"
 
 
+def test_cgroups_left_by_a_killed_process_are_removed_by_the_next(tmp_path: Path) -> None:
+    fake_cgroup_host(tmp_path, v1=False, controllers="memory pids")
+    own = tmp_path / "sys/fs/cgroup/job"
+    gone, alive = own / "rollout-sandbox-999999999", own / f"rollout-sandbox-{os.getppid()}"
+    (gone / "program-3").mkdir(parents=True)
+    alive.mkdir()
+    assert find_cgroups("auto", str(tmp_path)) is not None
+    assert not gone.exists() and alive.exists()
+
+
 def test_no_cgroup_without_the_controllers_and_a_named_one_must_be_usable(tmp_path: Path) -> None:
     fake_cgroup_host(tmp_path, v1=False, controllers="cpu io")
     assert find_cgroups("auto", str(tmp_path)) is None
