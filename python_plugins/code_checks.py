@@ -62,7 +62,6 @@ _SAFE_BUILTIN_NAMES = (
 ).split()
 #: The built-ins a test may use (no ``getattr``, ``open``, ``eval``, ``__import__``...).
 BUILTINS: dict[str, Any] = {name: getattr(builtins, name) for name in _SAFE_BUILTIN_NAMES}
-BUILTINS.update({"True": True, "False": False, "None": None})
 
 _MODULE_NAMES: dict[str, Any] = {
     "math": (math, None),
@@ -176,7 +175,7 @@ def namespace(completion: Mapping[str, Any], entry_points: Iterable[str] = ()) -
     modules = {**MODULES, "random": _random_facade()}
     scope: dict[str, Any] = dict(completion)
     scope.update(modules)
-    scope.update({name: value for name, value in BUILTINS.items() if name not in ("True", "False", "None")})
+    scope.update(BUILTINS)
     for name in entry_points:
         if name in completion:
             scope[name] = completion[name]
