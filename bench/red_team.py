@@ -19,7 +19,6 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import threading
 import time
 from datetime import datetime, timezone
 from io import BytesIO
@@ -53,7 +52,7 @@ def cases() -> list[dict[str, Any]]:
 
 def score_with(tree: Path, batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Runs in the child: scores each case with the code rewards of ``tree``."""
-    sys.path.insert(0, str(tree))
+    sys.path[:0] = [str(tree), str(REPO)]  # the tree's reward, the repository's test helpers
     from python_plugins import code_reward
     from rollout_sdk import Sample, load_plugin
 
@@ -90,50 +89,15 @@ def score_with(tree: Path, batch: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return results
 
 
-# Writes files just under the per-file limit to every place it can, up to 4 GiB.
-FILL = """
-def fill():
-    written = 0
-    for directory in ('/tmp', '.', '/dev/shm', '/'):
-        for index in range(4096):
-            if written >= 4 << 30:
-                return written
-            try:
-                with open(f'{directory}/fill-{index}', 'wb') as out:
-                    out.write(b'x' * ((1 << 20) - 4096))
-                written += (1 << 20) - 4096
-            except OSError:
-                break
-    return written
-"""
-
-
 def host_memory_taken(reward: Any) -> dict[str, float]:
     """How far the host's available memory falls while one completion fills its disk."""
     from rollout_sdk import Sample
+    from tests.python.host_memory import FILL, memory_fall
 
-    def available() -> int:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-        return 0
-
-    lowest, done = [available()], threading.Event()
-
-    def watch() -> None:
-        while not done.wait(0.005):
-            lowest[0] = min(lowest[0], available())
-
-    before = available()
-    watcher = threading.Thread(target=watch)
-    watcher.start()
+    sample = Sample(prompt="", completion=FILL, record={"tests": ["assert fill() == 0"]})
     started = time.monotonic()
-    try:
-        reward.score([Sample(prompt="", completion=FILL, record={"tests": ["assert fill() == 0"]})])
-    finally:
-        done.set()
-        watcher.join()
-    return {"fell_mib": round((before - lowest[0]) / 2**20), "seconds": round(time.monotonic() - started, 2)}
+    _, fell = memory_fall(lambda: reward.score([sample]))
+    return {"fell_mib": round(fell / 2**20), "seconds": round(time.monotonic() - started, 2)}
 
 
 def run_child(tree: Path, batch: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -6,8 +6,6 @@ from __future__ import annotations
 import os
 import stat
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +24,7 @@ from rollout_sdk.isolation import (
     prove_isolation,
 )
 from rollout_sdk.seccomp import deny_filter
+from tests.python.host_memory import FILL, memory_fall
 
 SCRATCH_MB = 64
 
@@ -148,49 +147,12 @@ def test_the_code_sees_no_more_than_it_needs(reward: PythonTests) -> None:
     assert holds(reward, code, "assert writable() == ['/tmp/x', '/work/x']")
 
 
-def available_bytes() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no MemAvailable in /proc/meminfo")
-
-
-FILL = """
-def fill():
-    written = 0
-    for directory in ('/tmp', '.', '/dev/shm', '/'):
-        for index in range(2048):
-            try:
-                with open(f'{directory}/fill-{index}', 'wb') as out:
-                    out.write(b'x' * ((1 << 20) - 4096))
-                written += (1 << 20) - 4096
-            except OSError:
-                break
-    return written
-"""
-
-
 def test_a_completion_filling_its_disk_is_stopped_at_the_limit(reward: PythonTests) -> None:
-    """It tries to write 8 GiB of files just under the per-file limit; the tmpfs mounts stop
+    """It tries to write 4 GiB of files just under the per-file limit; the tmpfs mounts stop
     it at `scratch_mb`, and the host's available memory never falls by much more."""
-    lowest = [available_bytes()]
-    done = threading.Event()
-
-    def watch() -> None:
-        while not done.is_set():
-            lowest[0] = min(lowest[0], available_bytes())
-            time.sleep(0.005)
-
-    before = available_bytes()
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    try:
-        limit = SCRATCH_MB << 20
-        assert holds(reward, FILL, f"assert {limit // 2} < fill() <= {limit}")
-    finally:
-        done.set()
-        watcher.join()
-    fell = before - lowest[0]
+    limit = SCRATCH_MB << 20
+    stopped, fell = memory_fall(lambda: holds(reward, FILL, f"assert {limit // 2} < fill() <= {limit}"))
+    assert stopped
     # The files themselves plus the interpreter; other processes' noise stays well under
     # the gigabytes the same completion took before the tmpfs mounts were sized.
     assert fell < limit + (160 << 20), f"the host's available memory fell by {fell >> 20} MiB"
