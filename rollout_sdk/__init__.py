@@ -1,7 +1,7 @@
 """rollout_sdk: the contract between the `rollout` engine and Python plugins.
 
-Plugin kinds: :class:`Policy` (the model), :class:`Reward`, :class:`Environment` (and
-:class:`MultiAgentEnvironment`),
+Plugin kinds: :class:`Policy` (the model), :class:`GenerationEngine` (a generation backend
+such as vLLM), :class:`Reward`, :class:`Environment` (and :class:`MultiAgentEnvironment`),
 :class:`DataSource` and :class:`Transform`, :class:`Callback`. Each declares a nested ``Config``
 dataclass that is built from its TOML table. :mod:`rollout_sdk.testing` checks a plugin from
 plain pytest; :mod:`rollout_sdk.objectives` holds the torch losses policies share.
@@ -12,6 +12,7 @@ from rollout_sdk.config import ConfigError, build_config
 from rollout_sdk.data import DataSource, Pipeline, Record, Transform
 from rollout_sdk.engine import EngineStep, EngineStepOutput, KvLayout
 from rollout_sdk.environment import Environment, StepResult
+from rollout_sdk.generation_engine import GenerationEngine
 from rollout_sdk.metrics import StepMetrics
 from rollout_sdk.multi_agent import AgentTurn, JointStepResult, MultiAgentEnvironment
 from rollout_sdk.plugin import Plugin, PluginSpecError, load_plugin, resolve_plugin_class
@@ -48,6 +49,7 @@ __all__ = [
     "Environment",
     "FinishReason",
     "Generation",
+    "GenerationEngine",
     "GenerationRequest",
     "GrpoObjective",
     "GspoObjective",

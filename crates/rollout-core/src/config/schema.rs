@@ -215,6 +215,10 @@ pub struct EngineSection {
     /// Use the engine when the policy supports it (`kv_layout`); otherwise, or when false,
     /// the policy's own `generate` samples.
     pub enabled: bool,
+    /// Which engine samples: Rollout's own, or vLLM with weights of its own.
+    pub backend: EngineBackend,
+    /// Options of the vLLM backend (`python_plugins.vllm_engine:VllmEngine`'s `Config`).
+    pub vllm: toml::Table,
     /// Tokens per KV-cache block.
     pub block_size: usize,
     /// KV-cache size in bytes; 0 uses `kv_cache_fraction` of the memory the policy reports
@@ -234,6 +238,8 @@ impl Default for EngineSection {
     fn default() -> Self {
         Self {
             enabled: true,
+            backend: EngineBackend::Rollout,
+            vllm: toml::Table::new(),
             block_size: 16,
             kv_cache_bytes: 0,
             kv_cache_fraction: 0.25,
@@ -241,6 +247,26 @@ impl Default for EngineSection {
             max_running: 256,
             prefix_caching: true,
             speculation: SpeculationSection::default(),
+        }
+    }
+}
+
+/// The engine that samples a run's completions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EngineBackend {
+    /// Rollout's sampling engine, running the policy's own model.
+    Rollout,
+    /// vLLM, in the process that generates, its weights replaced at every version.
+    Vllm,
+}
+
+impl EngineBackend {
+    /// The generation engine plugin that implements this backend, if it is not Rollout's.
+    pub fn plugin(self) -> Option<&'static str> {
+        match self {
+            EngineBackend::Rollout => None,
+            EngineBackend::Vllm => Some("python_plugins.vllm_engine:VllmEngine"),
         }
     }
 }

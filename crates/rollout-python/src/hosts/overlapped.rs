@@ -54,7 +54,7 @@ impl OverlappedPolicy {
     /// second thread of the same interpreter.
     pub async fn load(worker: Arc<PythonWorker>, loaded: &LoadedConfig) -> Result<Self, HostError> {
         let generation_worker = Arc::new(worker.sibling("python-generate")?);
-        let learner = PolicyHost::load(worker.clone(), loaded)
+        let learner = PolicyHost::load_learner(worker.clone(), loaded)
             .instrument(tracing::info_span!("policy.load"))
             .await?;
         let generator = PolicyHost::load(generation_worker.clone(), loaded)

@@ -21,7 +21,7 @@ use super::{boxed, seed_once, traced};
 use crate::HostError;
 use crate::interpreter::{PythonError, PythonWorker};
 use crate::paged_generator::PagedGenerator;
-use crate::plugins::PolicyPlugin;
+use crate::plugins::{GenerationEnginePlugin, PolicyPlugin};
 
 /// The policy plugin of a run, its sampling engine and the version of its weights.
 pub struct PolicyHost {
@@ -29,6 +29,8 @@ pub struct PolicyHost {
     policy: Arc<PolicyPlugin>,
     /// The sampling engine, when the policy can run in it and it is enabled.
     engine: Option<PagedGenerator>,
+    /// The generation engine plugin sampling in its place (`[engine] backend`), if any.
+    backend: Option<Arc<GenerationEnginePlugin>>,
     eos_token_ids: Vec<u32>,
     weight_version: Arc<AtomicU64>,
     /// Whether an import of arriving weights began and the whole version is not yet served.
@@ -36,10 +38,41 @@ pub struct PolicyHost {
 }
 
 impl PolicyHost {
-    /// Imports and instantiates the config's policy.
+    /// Imports and instantiates the config's policy, and the generation backend it samples
+    /// with.
     pub async fn load(worker: Arc<PythonWorker>, loaded: &LoadedConfig) -> Result<Self, HostError> {
         let policy = loaded.config.policy.clone();
+        let host =
+            Self::load_policy(worker, loaded, KeyPath::default().key("policy"), policy).await?;
+        host.with_backend(loaded).await
+    }
+
+    /// [`PolicyHost::load`] for a process that only trains: no generation backend is
+    /// loaded (a trainer rank of `rollout launch`, the learner of an overlapped run).
+    pub async fn load_learner(
+        worker: Arc<PythonWorker>,
+        loaded: &LoadedConfig,
+    ) -> Result<Self, HostError> {
+        let policy = loaded.config.policy.clone();
         Self::load_policy(worker, loaded, KeyPath::default().key("policy"), policy).await
+    }
+
+    /// Loads `[engine] backend`'s generation engine, which then samples instead of Rollout's
+    /// engine, with the policy's current weights.
+    async fn with_backend(mut self, loaded: &LoadedConfig) -> Result<Self, HostError> {
+        let Some(spec) = loaded.config.engine.backend.plugin() else {
+            return Ok(self);
+        };
+        let loaded_config = loaded.clone();
+        let backend = self
+            .worker
+            .run(move |py| GenerationEnginePlugin::load(py, &loaded_config, spec))
+            .instrument(tracing::info_span!("engine.load", backend = spec))
+            .await??;
+        tracing::info!("generation samples with `{spec}`");
+        self.engine = None;
+        self.backend = Some(Arc::new(backend));
+        Ok(self)
     }
 
     /// Imports and instantiates `policy`, configured at `key` (an agent's, or `[policy]`).
@@ -71,15 +104,17 @@ impl PolicyHost {
             worker,
             policy,
             engine,
+            backend: None,
             eos_token_ids,
             weight_version: Arc::new(AtomicU64::new(0)),
             torn: AtomicBool::new(false),
         })
     }
 
-    /// Whether generation runs in the sampling engine (else in the policy's `generate`).
+    /// Whether generation runs in an engine (Rollout's or a backend's), else in the
+    /// policy's `generate`.
     pub fn uses_engine(&self) -> bool {
-        self.engine.is_some()
+        self.engine.is_some() || self.backend.is_some()
     }
 
     pub async fn describe(&self) -> Result<serde_json::Value, RoleError> {
@@ -157,9 +192,13 @@ impl PolicyHost {
     /// [`PolicyHost::restore_memory`].
     pub async fn release_memory(&self) -> Result<(), RoleError> {
         let policy = self.policy.clone();
+        let backend = self.backend.clone();
         Ok(self
             .worker
-            .run(move |py| policy.release_memory(py))
+            .run(move |py| {
+                policy.release_memory(py)?;
+                backend.map_or(Ok(()), |backend| backend.release_memory(py))
+            })
             .instrument(tracing::info_span!("policy.release_memory"))
             .await??)
     }
@@ -168,8 +207,12 @@ impl PolicyHost {
     /// empty, so no cached prefix is reused.
     pub async fn restore_memory(&self) -> Result<(), RoleError> {
         let policy = self.policy.clone();
+        let backend = self.backend.clone();
         self.worker
-            .run(move |py| policy.restore_memory(py))
+            .run(move |py| {
+                policy.restore_memory(py)?;
+                backend.map_or(Ok(()), |backend| backend.restore_memory(py))
+            })
             .instrument(tracing::info_span!("policy.restore_memory"))
             .await??;
         if let Some(engine) = &self.engine {
@@ -190,8 +233,13 @@ impl PolicyHost {
             .map_err(|err| RoleError::Protocol(err.to_string()))?;
         self.torn.store(true, Ordering::SeqCst);
         let policy = self.policy.clone();
+        let backend = self.backend.clone();
+        // A backend samples with weights of its own: the policy's are not used to generate.
         self.worker
-            .run(move |py| policy.import_received(py, tensors))
+            .run(move |py| match backend {
+                Some(backend) => backend.load_received(py, tensors),
+                None => policy.import_received(py, tensors),
+            })
             .instrument(tracing::info_span!("weights.import"))
             .await??;
         Ok(())
@@ -230,6 +278,13 @@ impl Generator for PolicyHost {
                     .generate(&self.worker, &policy, request, &self.eos_token_ids, version)
                     .await;
             }
+            if let Some(backend) = self.backend.clone() {
+                let eos = self.eos_token_ids.clone();
+                return Ok(self
+                    .worker
+                    .run(move |py| backend.generate(py, &policy, &request, &eos, version))
+                    .await??);
+            }
             let sampling = &request.sampling;
             if !sampling.stop_strings.is_empty() || sampling.ignore_eos {
                 return Err(RoleError::Protocol(format!(
@@ -245,9 +300,20 @@ impl Generator for PolicyHost {
         })
     }
 
-    /// In one process generation and training share the model: nothing to load.
+    /// In one process generation and training share the model: nothing to load, but for
+    /// a generation backend, which gets the learner's weights.
     fn load_weights(&self, weights: Publication) -> RoleFuture<'_, Vec<WeightsReport>> {
-        boxed(async move { Ok(vec![weights.sealed.await?]) })
+        boxed(async move {
+            let report = weights.sealed.await?;
+            if let Some(backend) = self.backend.clone() {
+                let policy = self.policy.clone();
+                self.worker
+                    .run(move |py| backend.load_from_policy(py, &policy))
+                    .instrument(tracing::info_span!("weights.import", backend = true))
+                    .await??;
+            }
+            Ok(vec![report])
+        })
     }
 }
 
@@ -341,8 +407,9 @@ impl Learner for PolicyHost {
         })
     }
 
+    /// Only a generation backend holds weights of its own.
     fn needs_weight_sync(&self) -> bool {
-        false
+        self.backend.is_some()
     }
 }
 

@@ -5,6 +5,8 @@
 mod callbacks;
 mod data;
 mod environment;
+mod generation;
+mod generation_engine;
 mod memory;
 mod multi_agent;
 mod policy;
@@ -27,6 +29,7 @@ use rollout_core::config::{ConfigError, KeyPath, LoadedConfig, Segment};
 pub use callbacks::CallbackSet;
 pub use data::DataPlugins;
 pub use environment::{EnvironmentPlugin, Episode, EpisodePlugin};
+pub use generation_engine::GenerationEnginePlugin;
 pub use multi_agent::MultiAgentEnvironmentPlugin;
 pub use policy::PolicyPlugin;
 pub use reward::RewardSet;
@@ -98,8 +101,22 @@ impl PluginRef {
         options: &toml::Table,
         expected: &str,
     ) -> Result<Self, PluginLoadError> {
+        let options_key = key.clone().key("options");
+        Self::load_options_at(py, loaded, key, &options_key, spec, options, expected)
+    }
+
+    /// [`PluginRef::load`] for a plugin whose options are the table at `options_key`.
+    pub fn load_options_at(
+        py: Python<'_>,
+        loaded: &LoadedConfig,
+        key: &KeyPath,
+        options_key: &KeyPath,
+        spec: &str,
+        options: &toml::Table,
+        expected: &str,
+    ) -> Result<Self, PluginLoadError> {
         let location = loaded.describe_location(key);
-        let raised = |err: PyErr| plugin_load_error(py, loaded, key, spec, &location, &err);
+        let raised = |err: PyErr| plugin_load_error(py, loaded, options_key, spec, &location, &err);
         let sdk = py.import("rollout_sdk").map_err(raised)?;
         let expected_class = sdk.getattr(expected).map_err(raised)?;
         let options = table_to_py(py, options).map_err(raised)?;
@@ -153,13 +170,13 @@ impl PluginRef {
 fn plugin_load_error(
     py: Python<'_>,
     loaded: &LoadedConfig,
-    key: &KeyPath,
+    options_key: &KeyPath,
     spec: &str,
     location: &str,
     err: &PyErr,
 ) -> PluginLoadError {
     if let Some(option_path) = config_error_key(py, err) {
-        let mut path = key.clone().key("options");
+        let mut path = options_key.clone();
         path.0.extend(option_path);
         let reason = err
             .value(py)

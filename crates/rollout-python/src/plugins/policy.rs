@@ -4,19 +4,17 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList};
+use pyo3::types::PyDict;
 use rollout_core::cluster::in_place::ServedInPlace;
 use rollout_core::config::{KeyPath, LoadedConfig, PluginConfig};
 use rollout_core::scheduler::{StepOutput, StepPlan};
 use rollout_core::train::SnapshotFiles;
-use rollout_net::messages::{
-    Completion, FinishReason, GenerateRequest, GenerateResponse, PromptRequest,
-};
+use rollout_net::messages::{GenerateRequest, GenerateResponse};
 
+use super::generation::{Generations, generation_args};
 use super::{PluginError, PluginLoadError, PluginRef};
 use crate::contract::{
-    self, EngineStep, EngineStepOutput, Generation, GenerationRequest, KvLayout, SamplingParams,
-    py_to_json, to_python,
+    self, EngineStep, EngineStepOutput, KvLayout, SamplingParams, py_to_json, to_python,
 };
 
 pub struct PolicyPlugin {
@@ -143,135 +141,22 @@ impl PolicyPlugin {
         weight_version: u64,
     ) -> Result<GenerateResponse, PluginError> {
         let hook = "generate";
-        let (requests, params) = self
-            .generation_args(py, request)
+        let (requests, params) = generation_args(py, request, SamplingParams::of(request))
             .map_err(|err| self.plugin.raised(py, hook, &err))?;
         let result = self.plugin.call(py, hook, (requests, params))?;
-        let groups = result.cast::<PyList>().map_err(|_| {
-            self.plugin
-                .bad_return(hook, "must return a list (one per request)")
-        })?;
-        if groups.len() != request.prompts.len() {
-            return Err(self.plugin.bad_return(
-                hook,
-                format!(
-                    "returned {} groups for {} requests",
-                    groups.len(),
-                    request.prompts.len()
-                ),
-            ));
-        }
-        let mut out = Vec::with_capacity(groups.len());
-        for (group, prompt) in groups.iter().zip(&request.prompts) {
-            out.push(self.group_completions(&group, prompt, request, weight_version)?);
-        }
-        Ok(GenerateResponse {
-            groups: out,
-            metrics: Default::default(),
-            producers: Vec::new(),
-        })
+        self.generations().read(&result, request, weight_version)
     }
 
-    fn generation_args<'py>(
-        &self,
-        py: Python<'py>,
-        request: &GenerateRequest,
-    ) -> PyResult<(Bound<'py, PyList>, Bound<'py, PyAny>)> {
-        let params = to_python(py, SamplingParams::of(request))?;
-        let requests = PyList::empty(py);
-        for prompt in &request.prompts {
-            requests.append(to_python(py, GenerationRequest::from(prompt))?)?;
+    /// Reads a `generate` hook's result against this policy's vocabulary.
+    pub(super) fn generations_of<'a>(&self, plugin: &'a PluginRef) -> Generations<'a> {
+        Generations {
+            plugin,
+            vocabulary: self.vocabulary,
         }
-        Ok((requests, params))
     }
 
-    /// One prompt's list of `Generation`s, each cut to its sample's token budget.
-    fn group_completions(
-        &self,
-        group: &Bound<'_, PyAny>,
-        prompt: &PromptRequest,
-        request: &GenerateRequest,
-        weight_version: u64,
-    ) -> Result<Vec<Completion>, PluginError> {
-        let hook = "generate";
-        let group = group.cast::<PyList>().map_err(|_| {
-            self.plugin
-                .bad_return(hook, "each group must be a list of Generation")
-        })?;
-        if group.len() != prompt.n as usize {
-            return Err(self.plugin.bad_return(
-                hook,
-                format!(
-                    "returned {} completions for a request with n={}",
-                    group.len(),
-                    prompt.n
-                ),
-            ));
-        }
-        group
-            .iter()
-            .enumerate()
-            .map(|(sample, generation)| {
-                let mut completion =
-                    self.completion(&generation, request.longest_budget(), weight_version)?;
-                let budget = prompt
-                    .max_new_tokens
-                    .get(sample)
-                    .copied()
-                    .unwrap_or(request.sampling.max_new_tokens)
-                    as usize;
-                if completion.token_ids.len() > budget {
-                    completion.token_ids.truncate(budget);
-                    completion.logprobs.truncate(budget);
-                    completion.finish_reason = FinishReason::Length;
-                }
-                Ok(completion)
-            })
-            .collect()
-    }
-
-    fn completion(
-        &self,
-        generation: &Bound<'_, PyAny>,
-        max_new_tokens: u32,
-        weight_version: u64,
-    ) -> Result<Completion, PluginError> {
-        let hook = "generate";
-        let bad = |reason: &str| self.plugin.bad_return(hook, reason.to_owned());
-        let generation: Generation =
-            contract::from_python(generation).map_err(|reason| bad(&reason))?;
-        let token_ids = self.token_ids(hook, generation.token_ids.data.into_iter())?;
-        let logprobs = generation.logprobs.data;
-        if token_ids.len() != logprobs.len() {
-            return Err(bad("Generation.token_ids and logprobs differ in length"));
-        }
-        if token_ids.is_empty() || token_ids.len() > max_new_tokens as usize {
-            return Err(self.plugin.bad_return(
-                hook,
-                format!(
-                    "a completion has {} tokens, outside 1..={max_new_tokens}",
-                    token_ids.len()
-                ),
-            ));
-        }
-        if logprobs.iter().any(|l| !l.is_finite()) {
-            return Err(bad("a generated token's logprob is NaN or infinite"));
-        }
-        let finish_reason = match generation.finish_reason.as_str() {
-            "stop" => FinishReason::Stop,
-            "length" => FinishReason::Length,
-            _ => {
-                return Err(bad(
-                    "Generation.finish_reason must be \"stop\" or \"length\"",
-                ));
-            }
-        };
-        Ok(Completion {
-            token_ids,
-            logprobs,
-            finish_reason,
-            weight_version,
-        })
+    fn generations(&self) -> Generations<'_> {
+        self.generations_of(&self.plugin)
     }
 
     pub(super) fn float_metrics(
@@ -352,21 +237,7 @@ impl PolicyPlugin {
         hook: &'static str,
         ids: impl Iterator<Item = i64>,
     ) -> Result<Vec<u32>, PluginError> {
-        ids.map(|id| {
-            u32::try_from(id)
-                .ok()
-                .filter(|&id| u64::from(id) < self.vocabulary)
-                .ok_or_else(|| {
-                    self.plugin.bad_return(
-                        hook,
-                        format!(
-                            "token id {id} is outside the policy's vocabulary of {}",
-                            self.vocabulary
-                        ),
-                    )
-                })
-        })
-        .collect()
+        self.generations().token_ids(hook, ids)
     }
 }
 

@@ -292,9 +292,12 @@ impl PolicyPlugin {
         })
     }
 
-    /// Calls `weight_views` (the SDK's default is `export_weights`: views may be lent, not
-    /// copies): every tensor at once from a dict, else an iterator of pairs.
-    fn weights<'py>(&self, py: Python<'py>) -> Result<(&'static str, Weights<'py>), PluginError> {
+    /// What `weight_views` returns (the SDK's default is `export_weights`: views may be
+    /// lent, not copies), and the hook that returned it.
+    pub(super) fn weight_views<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> Result<(&'static str, Bound<'py, PyAny>), PluginError> {
         let lends_views = self
             .plugin
             .object
@@ -306,7 +309,13 @@ impl PolicyPlugin {
         } else {
             "export_weights"
         };
-        let weights = self.plugin.call(py, hook, ())?;
+        Ok((hook, self.plugin.call(py, hook, ())?))
+    }
+
+    /// [`PolicyPlugin::weight_views`]: every tensor at once from a dict, else an iterator of
+    /// pairs.
+    fn weights<'py>(&self, py: Python<'py>) -> Result<(&'static str, Weights<'py>), PluginError> {
+        let (hook, weights) = self.weight_views(py)?;
         let pairs = match weights.cast::<PyDict>() {
             Ok(dict) => dict.items().into_any(),
             Err(_) => weights.clone(),

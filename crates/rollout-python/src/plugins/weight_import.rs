@@ -19,14 +19,20 @@ impl PolicyPlugin {
         tensors: Vec<TensorBytes>,
     ) -> Result<(), PluginError> {
         let hook = "import_weights";
-        let weights = (|| -> PyResult<Bound<'_, PyAny>> {
-            let tensors = Bound::new(py, ReceivedTensors(tensors.into_iter()))?;
-            py.import("rollout_sdk.weights")?
-                .call_method1("StreamedWeights", (tensors,))
-        })()
-        .map_err(|err| self.plugin.raised(py, hook, &err))?;
+        let weights =
+            streamed_weights(py, tensors).map_err(|err| self.plugin.raised(py, hook, &err))?;
         self.plugin.call(py, hook, (weights,)).map(drop)
     }
+}
+
+/// A `rollout_sdk.weights.StreamedWeights` of a received version's `tensors`.
+pub(super) fn streamed_weights(
+    py: Python<'_>,
+    tensors: Vec<TensorBytes>,
+) -> PyResult<Bound<'_, PyAny>> {
+    let tensors = Bound::new(py, ReceivedTensors(tensors.into_iter()))?;
+    py.import("rollout_sdk.weights")?
+        .call_method1("StreamedWeights", (tensors,))
 }
 
 /// A received version's tensors: an iterator of `(name, array)` pairs, each array made only

@@ -190,7 +190,7 @@ pub(super) async fn join(
     info: serde_json::Value,
 ) -> Result<(RpcServer, LoadedConfig, Arc<PolicyHost>), ClusterError> {
     let welcomed = welcome(role, args, info).await?;
-    match load_policy(&welcomed.loaded).await {
+    match load_policy(&welcomed.loaded, Loads::Learner).await {
         Ok(host) => {
             welcomed.answer(Ok(host.vocabulary()));
             Ok((welcomed.server, welcomed.loaded, Arc::new(host)))
@@ -202,11 +202,27 @@ pub(super) async fn join(
     }
 }
 
-pub(super) async fn load_policy(loaded: &LoadedConfig) -> Result<PolicyHost, ClusterError> {
+/// What a role loads the policy for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Loads {
+    /// To generate: with the run's generation backend.
+    Generator,
+    /// To train only.
+    Learner,
+}
+
+pub(super) async fn load_policy(
+    loaded: &LoadedConfig,
+    loads: Loads,
+) -> Result<PolicyHost, ClusterError> {
     let worker = rollout_python::interpreter::start(&loaded.config.python).await?;
-    Ok(PolicyHost::load(worker, loaded)
-        .instrument(tracing::info_span!("policy.load"))
-        .await?)
+    let host = async {
+        match loads {
+            Loads::Generator => PolicyHost::load(worker, loaded).await,
+            Loads::Learner => PolicyHost::load_learner(worker, loaded).await,
+        }
+    };
+    Ok(host.instrument(tracing::info_span!("policy.load")).await?)
 }
 
 impl From<NetError> for ClusterError {

@@ -27,7 +27,7 @@ use tracing::{Instrument, Span};
 
 use super::ClusterError;
 use super::joining::{
-    RoleArgs, WEIGHT_WAIT, advertised, answer, bad_request, hello, load_policy, welcome,
+    Loads, RoleArgs, WEIGHT_WAIT, advertised, answer, bad_request, hello, load_policy, welcome,
 };
 
 /// How long a worker that lost its controller waits before connecting again (a controller
@@ -95,7 +95,7 @@ pub async fn run_worker(args: RoleArgs) -> Result<(), ClusterError> {
         let served = served_config(&welcomed.loaded);
         let host = match &loaded {
             Some(same) if same.served == served => same.host.clone(),
-            _ => match load_policy(&welcomed.loaded).await {
+            _ => match load_policy(&welcomed.loaded, Loads::Generator).await {
                 Ok(host) => {
                     let host = Arc::new(host);
                     loaded = Some(Loaded {
