@@ -4,6 +4,7 @@ mod agents;
 mod algorithm;
 mod cluster;
 mod devices;
+mod engine;
 mod load;
 mod loaded;
 mod location;

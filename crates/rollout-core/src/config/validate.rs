@@ -5,7 +5,7 @@ use super::location::KeyPath;
 
 impl LoadedConfig {
     /// An error at the dotted `path` (where the file set it) unless `ok`.
-    fn require(&self, ok: bool, path: &str, message: &str) -> Result<(), ConfigError> {
+    pub(super) fn require(&self, ok: bool, path: &str, message: &str) -> Result<(), ConfigError> {
         if ok {
             Ok(())
         } else {
@@ -25,47 +25,8 @@ pub fn validate(loaded: &LoadedConfig) -> Result<(), ConfigError> {
     validate_cluster_transport(loaded)?;
     super::devices::validate_devices(loaded)?;
     validate_services(loaded)?;
-    validate_engine(loaded)?;
+    super::engine::validate_engine(loaded)?;
     validate_rewards(loaded)
-}
-
-/// A vLLM backend samples with its own copy of the weights: it needs them whole (no LoRA
-/// adapters) and does its own scheduling (no speculation of Rollout's engine).
-fn validate_engine(loaded: &LoadedConfig) -> Result<(), ConfigError> {
-    let config = &loaded.config;
-    let engine = &config.engine;
-    if engine.backend == super::schema::EngineBackend::Rollout {
-        return Ok(());
-    }
-    loaded.require(
-        engine.enabled,
-        "engine.enabled",
-        "must be true with `backend = \"vllm\"` (false samples with the policy's own `generate`)",
-    )?;
-    loaded.require(
-        engine.speculation.method == super::schema::SpeculationMethod::Off,
-        "engine.speculation.method",
-        "is Rollout's engine's; with `backend = \"vllm\"` pass vLLM's `speculative_config` in \
-         `[engine.vllm] engine_args`",
-    )?;
-    let lora_rank = config.policy.options.get("lora_rank");
-    loaded.require(
-        lora_rank.and_then(toml::Value::as_integer).unwrap_or(0) == 0,
-        "policy.options.lora_rank",
-        "LoRA runs cannot sample with vLLM yet: its weights would be the adapters only \
-         (docs/vllm.md); use `backend = \"rollout\"`",
-    )?;
-    let has_model = engine.vllm.contains_key("model")
-        || config
-            .policy
-            .options
-            .get("model_path")
-            .is_some_and(toml::Value::is_str);
-    loaded.require(
-        has_model,
-        "engine.vllm",
-        "needs `model`, the Hugging Face directory vLLM loads (the policy has no `model_path`)",
-    )
 }
 
 fn validate_run_and_rollout(loaded: &LoadedConfig) -> Result<(), ConfigError> {
