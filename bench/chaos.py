@@ -15,6 +15,9 @@ Writes bench/results/chaos.json. Run `bench/chaos` (it sets up the environment).
   the learning metrics must equal an uninterrupted run's (1 worker, staleness 0).
 - A trainer rank killed: the run restarts from its checkpoint, metrics equal again.
 - Fuzzing the frame decoder and the handshake (examples/fuzz_campaign.rs).
+
+`--engine vllm` runs the worker kills at the shipped settings once with vLLM generation
+workers (configs/vllm.toml's `[engine]`) and writes bench/results/chaos_vllm.json.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ from bench.e2e.runs import write_toml  # noqa: E402
 from python_plugins.quickstart import create_tiny_model, write_addition_splits  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "chaos.json"
+VLLM_RESULTS = REPO / "bench" / "results" / "chaos_vllm.json"
+VLLM_ENGINE = tomllib.loads((REPO / "configs" / "vllm.toml").read_text())["engine"]
 ROLLOUT = REPO / "target" / "release" / "rollout"
 PROMPTS_PER_STEP = 8
 # Metrics that describe the pool or wall time, not what was learned.
@@ -58,11 +63,14 @@ KILL_SETTINGS = {
 }
 
 
-def config(work: Path, name: str, model: Path, data: Path, steps: int, **cluster: Any) -> Path:
+def config(
+    work: Path, name: str, model: Path, data: Path, steps: int, engine: dict | None = None, **cluster: Any
+) -> Path:
     path = work / f"{name}.toml"
     write_toml(
         path,
         {
+            "engine": engine or {},
             "run": {
                 "name": name,
                 "seed": 0,
@@ -203,15 +211,16 @@ def worker_kills(
     seed: int,
     name: str,
     cluster: dict[str, Any],
+    engine: dict | None = None,
 ) -> dict[str, Any]:
     steps = math.ceil(groups / PROMPTS_PER_STEP)
-    baseline_path = config(work, f"{name}-baseline", model, data, steps, **cluster)
+    baseline_path = config(work, f"{name}-baseline", model, data, steps, engine, **cluster)
     started = time.monotonic()
     baseline = Launch(baseline_path)
     baseline.wait()
     baseline_seconds = time.monotonic() - started
 
-    path = config(work, name, model, data, steps, **cluster, max_worker_restarts=1000)
+    path = config(work, name, model, data, steps, engine, **cluster, max_worker_restarts=1000)
     output = work / name
     started = time.monotonic()
     launch = Launch(path)
@@ -401,7 +410,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--controller-restarts", type=int, default=2)
     parser.add_argument("--fuzz-inputs", type=int, default=1_000_000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--engine",
+        choices=("rollout", "vllm"),
+        default="rollout",
+        help="vllm: worker kills with vLLM workers only",
+    )
     args = parser.parse_args(argv)
+    if args.engine == "vllm":
+        return vllm_worker_kills(args)
     work: Path = args.work
     if work.exists():
         shutil.rmtree(work)
@@ -447,6 +464,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     results["details"] = details
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in results.items() if k != "details"}, indent=2))
+    return 0
+
+
+def vllm_worker_kills(args: argparse.Namespace) -> int:
+    """The worker kills at the shipped settings with vLLM generation workers; a model whose
+    attention heads vLLM's CPU kernels take (32 dimensions and more)."""
+    work: Path = args.work / "vllm"
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    write_addition_splits(work / "data", train=2000, test=10, seed=0)
+    data = work / "data" / "train.jsonl"
+    model = work / "model"
+    create_tiny_model(model, hidden_size=64, num_layers=2, num_heads=2, max_positions=64, seed=0)
+    kills = worker_kills(
+        work,
+        model,
+        data,
+        args.groups,
+        args.kill_interval,
+        args.seed,
+        "kills-vllm",
+        KILL_SETTINGS["distributed"],
+        engine=VLLM_ENGINE,
+    )
+    results = {
+        "machine": {"cpus": os.cpu_count()},
+        "measured": datetime.now().isoformat(),
+        "command": " ".join(["bench/chaos", *sys.argv[1:]]),
+        "engine": VLLM_ENGINE,
+        "worker_kills": kill_summary(kills),
+        "groups_lost": kills["audit"]["groups_lost"],
+        "groups_duplicated": kills["audit"]["groups_duplicated"],
+        "details": kills,
+    }
+    VLLM_RESULTS.write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps({k: v for k, v in results.items() if k != "details"}, indent=2))
     return 0
 

@@ -1,19 +1,36 @@
 """vLLM generating for the binary (`[engine] backend = "vllm"`, docs/vllm.md): configs/vllm.toml
 under `rollout launch` learns the quickstart task, every step reports the generator/trainer
-mismatch, and in float32 vLLM's greedy tokens are those of Rollout's engine."""
+mismatch, in float32 vLLM's greedy tokens are those of Rollout's engine, and a vLLM worker
+that is killed or hangs costs its groups a new lease, not the run."""
 
 from __future__ import annotations
 
 import json
+import os
 import platform
+import signal
 from pathlib import Path
 
 import pytest
 import torch
 
 from python_plugins.quickstart import create_tiny_model
-from tests.e2e.harness import REPO, mean, metrics, rollout, write_config
+from tests.e2e.harness import (
+    REPO,
+    cluster,
+    finish,
+    gate,
+    gate_config,
+    mean,
+    metrics,
+    pids,
+    rollout,
+    start,
+    wait_for,
+    write_config,
+)
 from tests.e2e.test_chat_binary import shipped
+from tests.e2e.test_fault_tolerance import SETTINGS, STEPS, assert_every_group_trained_once, steps_done
 
 pytestmark = [
     pytest.mark.slow,
@@ -129,3 +146,63 @@ def test_the_shipped_config_differs_from_the_distributed_one_only_in_its_engine(
         config["run"].pop("name")
         config["run"].pop("output_dir")
     assert vllm == distributed
+
+
+@pytest.fixture(scope="module")
+def vllm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model with attention heads of 32 dimensions, which vLLM's CPU kernels take."""
+    directory = tmp_path_factory.mktemp("vllm-model") / "model"
+    create_tiny_model(directory, hidden_size=64, num_layers=2, num_heads=2, max_positions=512, seed=0)
+    return directory
+
+
+def fault_config(directory: Path, artifacts: Path, model: Path, **options: float) -> Path:
+    """configs/vllm.toml's cluster settings (2 vLLM workers, 2 trainer ranks, staleness 1),
+    every sample logged, the gate, and long completions so that a kill lands on leases."""
+    trainers, staleness = SETTINGS["distributed"]
+    return write_config(
+        directory,
+        artifacts,
+        cluster(2, trainers, staleness, **options),
+        gate_config(directory),
+        VLLM,
+        {"run.log_samples": 1000, "rollout.max_new_tokens": 24, "policy.options.model_path": model},
+        steps=STEPS,
+    )
+
+
+def test_a_killed_vllm_worker_is_restarted_and_no_group_is_lost(
+    tmp_path: Path, artifacts: Path, vllm_model: Path
+) -> None:
+    process, log = start("launch", fault_config(tmp_path, artifacts, vllm_model))
+    wait_for(lambda: steps_done(tmp_path) >= 2, process, log, "step 2")
+    os.kill(pids(log, "worker-0")[0], signal.SIGKILL)
+    gate(tmp_path).touch()  # however fast the steps, the run waits for the restarted worker
+    rejoined = "worker-0 joined the run's generation workers"
+    wait_for(lambda: rejoined in log.read_text(), process, log, "a restarted worker-0")
+    gate(tmp_path).unlink()
+    stderr = finish(process, log, STEPS)
+    assert "worker-0 exited with signal: 9" in stderr and "starting it again" in stderr
+    lines = metrics(tmp_path)
+    assert sum(line["workers_lost"] for line in lines) >= 1
+    assert lines[-1]["workers"] == 2
+    assert_every_group_trained_once(tmp_path)
+
+
+def test_a_hung_vllm_worker_is_dropped_by_the_timeouts(
+    tmp_path: Path, artifacts: Path, vllm_model: Path
+) -> None:
+    config = fault_config(tmp_path, artifacts, vllm_model, heartbeat_seconds=0.5, peer_timeout_seconds=3)
+    process, log = start("launch", config)
+    wait_for(lambda: steps_done(tmp_path) >= 2, process, log, "step 2")
+    hung = pids(log, "worker-1")[0]
+    os.kill(hung, signal.SIGSTOP)
+    try:
+        wait_for(
+            lambda: "worker-1 left the generation pool" in log.read_text(), process, log, "the hang noticed"
+        )
+    finally:
+        os.kill(hung, signal.SIGCONT)
+    finish(process, log, STEPS)
+    assert sum(line["workers_lost"] for line in metrics(tmp_path)) >= 1
+    assert_every_group_trained_once(tmp_path)
