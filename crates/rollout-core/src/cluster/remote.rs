@@ -510,4 +510,26 @@ mod tests {
         );
         assert_eq!(merged["loss"], 2.0);
     }
+
+    #[test]
+    fn raw_mismatch_measurements_add_up_over_ranks_whatever_their_loss_tokens() {
+        let merged = merge_rank_metrics(
+            &[
+                answer(&[
+                    ("mismatch/tokens", 3.0),
+                    ("mismatch/k3_sum", 0.3),
+                    ("mismatch/ratio_min", 0.9),
+                ]),
+                answer(&[
+                    ("mismatch/tokens", 1.0),
+                    ("mismatch/k3_sum", 0.1),
+                    ("mismatch/ratio_min", 0.7),
+                ]),
+            ],
+            &[10, 30],
+        );
+        assert_eq!(merged["mismatch/tokens"], 4.0);
+        assert!((merged["mismatch/k3_sum"] - 0.4).abs() < 1e-12);
+        assert_eq!(merged["mismatch/ratio_min"], 0.7);
+    }
 }

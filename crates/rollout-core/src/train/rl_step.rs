@@ -366,3 +366,16 @@ pub(super) fn warmed_up(rate: f64, config: &Config, rl_update: u64) -> f64 {
     }
     rate * (rl_update as f64 / warmup as f64).min(1.0)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::staleness;
+
+    #[test]
+    fn staleness_is_the_versions_between_trainer_and_generator() {
+        assert_eq!(staleness(5, 5), 0);
+        assert_eq!(staleness(5, 3), 2);
+        // Nothing generated (its episode failed before its first turn).
+        assert_eq!(staleness(5, u64::MAX), 0);
+    }
+}
