@@ -58,7 +58,7 @@ from rollout_sdk import (
     TokenBatch,
     TrainBatch,
 )
-from rollout_sdk.objectives import needs_reference, needs_values, objective_loss
+from rollout_sdk.objectives import first_evaluation_logprobs, needs_reference, needs_values, objective_loss
 from rollout_sdk.snapshot import TensorFile, write_snapshot
 
 __all__ = ["HFCausalLM"]
@@ -333,6 +333,9 @@ class HFCausalLM(Policy):
         output = objective_loss(logprobs, batch, ref_logprobs=ref_logprobs, values=values)
         output.loss.backward()
         metrics: dict[str, Any] = {**output.metrics, "reference_seconds": reference_seconds}
+        first_logprobs = first_evaluation_logprobs(logprobs, batch)
+        if first_logprobs is not None:
+            metrics["first_logprobs"] = first_logprobs
         if output.excluded_rows:
             metrics["excluded_rows"] = output.excluded_rows
         return metrics

@@ -31,7 +31,8 @@ class StepMetrics(_EveryStep, total=False):
 
     Besides these keys a line holds measurements named by whoever took them: the policy's
     training metrics besides ``loss`` (``grad_norm``, ``kl``...), each reward's mean
-    (``reward/<name>``), the sampling engine's (``engine/...``), the generation pool's
+    (``reward/<name>``), the training/inference mismatch (``mismatch/...``, ``stale/...``) and
+    rollout correction (``correction/...``), the sampling engine's (``engine/...``), the generation pool's
     (``workers``, ``leases``..., ``worker_completions/<worker>``), samples and updates left out of
     training (``samples_excluded_<reason>``, ``updates_skipped_<reason>``) and, in a multi-agent
     run, each agent's (``<agent>/...``); all of them numbers.

@@ -33,7 +33,10 @@ from rollout_sdk.types import (
 
 __all__ = [
     "LOG_RATIO_BOUND",
+    "MISMATCH_BAND",
     "ObjectiveOutput",
+    "first_evaluation_logprobs",
+    "mismatch_metrics",
     "needs_reference",
     "needs_values",
     "objective_loss",
@@ -48,6 +51,10 @@ PolicyGradient = GrpoObjective | GspoObjective | PpoObjective
 #: token ratio never comes near it: PPO-style clipping already ignores ratios past ``1 + clip``,
 #: and a clamped token contributes no gradient, as a clipped one does.
 LOG_RATIO_BOUND = 20.0
+
+#: The per-token ratios ``exp(trainer - generator)`` the mismatch metrics count as close:
+#: ``mismatch/ratio_outside_fraction`` is the share of tokens outside it.
+MISMATCH_BAND = (0.8, 1.25)
 
 
 class ObjectiveOutput:
@@ -148,6 +155,8 @@ def _objective_loss(
         per_token, metrics = _policy_gradient(logprobs, ref_logprobs, mask, batch)
     else:
         raise TypeError(f"unknown objective {type(objective).__name__}")
+    if isinstance(objective, PolicyGradient):
+        metrics.update(mismatch_metrics(logprobs, batch, mask))
     row_losses = (per_token * mask).sum(dim=1)
     loss = row_losses.sum() * batch.loss_scale
     metrics["loss"] = float(row_losses.detach().sum() / tokens)
@@ -177,6 +186,7 @@ def _without_rows(batch: TrainBatch, rows: np.ndarray) -> TrainBatch:
         old_logprobs=zeroed(batch.old_logprobs),
         returns=zeroed(batch.returns),
         old_values=zeroed(batch.old_values),
+        first_logprobs=zeroed(batch.first_logprobs),
     )
 
 
@@ -209,6 +219,14 @@ def _policy_gradient(
         to_go = torch.flip(torch.cumsum(torch.flip(kl, [1]), 1), [1])
         advantages = advantages - objective.kl_coef * to_go * mask
         metrics["kl"] = float(kl.sum() / tokens)
+    weight = None
+    if objective.rollout_correction != "none":
+        # Decoupled PPO: the clipped ratio is against the trainer's own logprobs at its first
+        # evaluation; the generator's enter only through the correction weight.
+        trainer_old = _first_logprobs(logprobs, batch)
+        weight, correction_metrics = _correction_weights(trainer_old, old, mask, objective)
+        metrics.update(correction_metrics)
+        old = trainer_old
     log_ratio = (logprobs - old) * mask
     if isinstance(objective, GspoObjective):
         lengths = mask.sum(dim=1, keepdim=True).clamp_min(1.0)
@@ -216,6 +234,8 @@ def _policy_gradient(
     ratio = _clamped_exp(log_ratio)
     clipped = ratio.clamp(1.0 - objective.clip_low, 1.0 + objective.clip_high)
     per_token = -torch.minimum(ratio * advantages, clipped * advantages)
+    if weight is not None:
+        per_token = per_token * weight
     was_clipped = (ratio * advantages > clipped * advantages).to(mask.dtype)
     metrics["clip_fraction"] = float((was_clipped * mask).sum() / tokens)
     metrics["ratio_mean"] = float((ratio.detach() * mask).sum() / tokens)
@@ -226,6 +246,86 @@ def _policy_gradient(
         per_token = per_token + objective.kl_coef * kl
         metrics["kl"] = float((kl.detach() * mask).sum() / tokens)
     return per_token, metrics
+
+
+def _first_logprobs(logprobs: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
+    """The trainer's logprobs at its first evaluation of ``batch``, detached: those the engine
+    passes back from the first epoch, else (first epoch) this forward pass's."""
+    if batch.first_logprobs is None:
+        return logprobs.detach()
+    return torch.as_tensor(batch.first_logprobs, dtype=logprobs.dtype, device=logprobs.device)
+
+
+def first_evaluation_logprobs(logprobs: torch.Tensor, batch: TrainBatch) -> np.ndarray | None:
+    """What ``train_step`` returns as ``first_logprobs`` for the engine to pass back in later
+    epochs: this forward pass's logprobs when a rollout correction needs them and this is the
+    batch's first evaluation, else None."""
+    objective = batch.objective
+    corrected = isinstance(objective, PolicyGradient) and objective.rollout_correction != "none"
+    if not corrected or batch.first_logprobs is not None:
+        return None
+    return logprobs.detach().float().cpu().numpy()
+
+
+def _correction_weights(
+    trainer_old: torch.Tensor, generator: torch.Tensor, mask: torch.Tensor, objective: PolicyGradient
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Each token's detached rollout-correction weight from ``exp(trainer_old - generator)``:
+    truncated at the cap (TIS) or 0 outside the band, per token or per sequence (MIS)."""
+    tokens = mask.sum().clamp_min(1.0)
+    log_weight = ((trainer_old - generator) * mask).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    metrics: dict[str, float] = {}
+    if objective.rollout_correction == "tis":
+        raw = torch.exp(log_weight)
+        weight = raw.clamp(max=objective.rollout_correction_cap)
+        truncated = (raw > objective.rollout_correction_cap).to(mask.dtype) * mask
+        metrics["correction/truncated_fraction"] = float(truncated.sum() / tokens)
+    elif objective.rollout_correction == "mis":
+        if objective.rollout_correction_level == "sequence":
+            lengths = mask.sum(dim=1, keepdim=True).clamp_min(1.0)
+            log_weight = (log_weight.sum(dim=1, keepdim=True) / lengths).expand_as(log_weight)
+        raw = torch.exp(log_weight)
+        low, high = objective.rollout_correction_band
+        weight = ((raw >= low) & (raw <= high)).to(mask.dtype)
+        metrics["correction/masked_fraction"] = float(((1.0 - weight) * mask).sum() / tokens)
+    else:
+        raise ValueError(f"unknown rollout_correction {objective.rollout_correction!r}")
+    metrics["correction/weight_mean"] = float((weight * mask).sum() / tokens)
+    return weight.detach(), metrics
+
+
+def mismatch_metrics(logprobs: torch.Tensor, batch: TrainBatch, mask: torch.Tensor) -> dict[str, float]:
+    """How far the generator's logprobs (``batch.old_logprobs``) are from the trainer's at its
+    first evaluation of ``batch``, over the ``mask`` tokens: rows generated with the trained
+    weights (``row_staleness`` 0) under ``mismatch/``, older ones under ``stale/``.
+
+    Sums, counts and extremes, so the engine can add them up over micro-batches and trainer
+    ranks (keys in docs/config.md): with ``d = trainer - generator`` and ``r = exp(d)``,
+    ``tokens``, ``k3_sum`` (``r - 1 - d``, the k3 estimator of KL(generator || trainer)),
+    ``ratio_sum``, ``outside_tokens`` (``r`` outside :data:`MISMATCH_BAND`), ``ratio_min`` and
+    ``ratio_max``. A family with no token has no key.
+    """
+    trainer = _first_logprobs(logprobs, batch)
+    generator = torch.as_tensor(batch.old_logprobs, dtype=trainer.dtype, device=trainer.device)
+    log_ratio = ((trainer - generator) * mask).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    ratio = torch.exp(log_ratio)
+    k3 = ratio - 1.0 - log_ratio
+    low, high = MISMATCH_BAND
+    outside = (ratio < low) | (ratio > high)
+    stale = np.zeros(mask.shape[0], dtype=bool) if batch.row_staleness is None else batch.row_staleness > 0
+    metrics: dict[str, float] = {}
+    for family, rows in (("mismatch", ~stale), ("stale", stale)):
+        selected = mask.bool() & torch.as_tensor(rows, device=mask.device).unsqueeze(1)
+        count = int(selected.sum())
+        if count == 0:
+            continue
+        metrics[f"{family}/tokens"] = float(count)
+        metrics[f"{family}/k3_sum"] = float(k3[selected].sum())
+        metrics[f"{family}/ratio_sum"] = float(ratio[selected].sum())
+        metrics[f"{family}/outside_tokens"] = float(outside[selected].sum())
+        metrics[f"{family}/ratio_min"] = float(ratio[selected].min())
+        metrics[f"{family}/ratio_max"] = float(ratio[selected].max())
+    return metrics
 
 
 def _value_loss(

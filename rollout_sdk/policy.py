@@ -78,6 +78,13 @@ class Policy(Plugin):
         (``rollout_sdk.objectives.objective_loss`` does so): the engine counts them
         (``samples_excluded_nonfinite``) and, in a distributed run, sends away the generation
         worker that produced them. A ``loss`` that is not finite drops the whole update.
+
+        The raw mismatch measurements (``mismatch/...`` and ``stale/...`` sums, counts and
+        extremes of ``rollout_sdk.objectives.mismatch_metrics``) are combined by their own
+        rules, from the first epoch only. With a rollout correction on, it may add
+        ``first_logprobs``, the ``[batch, time]`` float32 logprobs of this first evaluation
+        (``rollout_sdk.objectives.first_evaluation_logprobs``): later epochs receive them
+        back as ``batch.first_logprobs``.
         """
         raise NotImplementedError
 

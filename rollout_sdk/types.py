@@ -82,6 +82,15 @@ class GrpoObjective:
     With ``kl_coef > 0`` the KL to the reference is a k3 penalty in the loss
     (``kl_penalty="loss"``) or, as REINFORCE++ does, a k1 penalty on each token's reward
     summed to the end of the sequence (``kl_penalty="reward"``).
+
+    ``rollout_correction`` (the same on GSPO and PPO) corrects for the generator's logprobs
+    differing from the trainer's (docs/algorithms.md, "Rollout correction"): "none" takes the
+    ratio against ``TrainBatch.old_logprobs`` (the generator's); "tis" and "mis" take it against
+    the trainer's own logprobs at its first evaluation of the batch and weight each token's
+    policy-gradient loss by ``exp(trainer at first evaluation - generator)``, truncated at
+    ``rollout_correction_cap`` (TIS) or, outside ``rollout_correction_band``, masked (MIS: the
+    token, or with ``rollout_correction_level="sequence"`` the whole sequence by its
+    geometric-mean weight).
     """
 
     clip_low: float = 0.2
@@ -89,6 +98,10 @@ class GrpoObjective:
     kl_coef: float = 0.0
     temperature: float = 1.0
     kl_penalty: Literal["loss", "reward"] = "loss"
+    rollout_correction: Literal["none", "tis", "mis"] = "none"
+    rollout_correction_cap: float = 2.0
+    rollout_correction_band: tuple[float, float] = (0.5, 2.0)
+    rollout_correction_level: Literal["token", "sequence"] = "token"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -99,6 +112,10 @@ class GspoObjective:
     clip_high: float = 4e-4
     kl_coef: float = 0.0
     temperature: float = 1.0
+    rollout_correction: Literal["none", "tis", "mis"] = "none"
+    rollout_correction_cap: float = 2.0
+    rollout_correction_band: tuple[float, float] = (0.5, 2.0)
+    rollout_correction_level: Literal["token", "sequence"] = "token"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -116,6 +133,10 @@ class PpoObjective:
     value_clip: float = 0.2
     value_coef: float = 0.5
     train_policy: bool = True
+    rollout_correction: Literal["none", "tis", "mis"] = "none"
+    rollout_correction_cap: float = 2.0
+    rollout_correction_band: tuple[float, float] = (0.5, 2.0)
+    rollout_correction_level: Literal["token", "sequence"] = "token"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -156,6 +177,8 @@ class TrainBatch:
     # per token like ``advantages``.
     returns: np.ndarray | None = None
     old_values: np.ndarray | None = None
+    row_staleness: np.ndarray | None = None
+    first_logprobs: np.ndarray | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -7,6 +7,7 @@
 pub mod cluster;
 pub mod config;
 pub mod metrics;
+pub mod mismatch;
 pub mod plan;
 pub mod roles;
 pub mod sandbox;

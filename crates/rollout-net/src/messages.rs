@@ -242,6 +242,8 @@ pub enum Objective {
         temperature: f32,
         #[serde(default)]
         kl_penalty: KlPenalty,
+        #[serde(default)]
+        correction: RolloutCorrection,
     },
     /// GSPO: the clipped ratio is the sequence's (geometric mean over its tokens).
     Gspo {
@@ -249,6 +251,8 @@ pub enum Objective {
         clip_high: f32,
         kl_coef: f32,
         temperature: f32,
+        #[serde(default)]
+        correction: RolloutCorrection,
     },
     /// PPO: the clipped token ratio on the batch's per-token (GAE) advantages plus the
     /// clipped value loss of the policy's value head against `returns`, relative to
@@ -261,6 +265,8 @@ pub enum Objective {
         value_clip: f32,
         value_coef: f32,
         train_policy: bool,
+        #[serde(default)]
+        correction: RolloutCorrection,
     },
     /// DPO over pairs of rows: row `2i` is pair `i`'s chosen sequence, row `2i + 1` its
     /// rejected one; `loss_scale` is `1 / pairs in the update`.
@@ -280,6 +286,74 @@ pub enum KlPenalty {
     /// `kl_coef` times the k1 estimator, subtracted from each token's reward (summed over the
     /// tokens from there to the end, as REINFORCE++ does).
     Reward,
+}
+
+/// How a policy-gradient objective corrects for the generator's logprobs differing from the
+/// trainer's (docs/algorithms.md, "Rollout correction"). With a correction on, the clipped
+/// ratio is taken against the trainer's own logprobs at its first evaluation of the batch
+/// (decoupled PPO) and each token's policy-gradient loss is weighted by `exp(trainer at first
+/// evaluation - generator)`: truncated at `cap` (TIS) or masked outside `band` (MIS).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct RolloutCorrection {
+    pub mode: CorrectionMode,
+    /// TIS: the largest weight.
+    pub cap: f32,
+    /// MIS: the weights kept, `[low, high]`.
+    pub band: [f32; 2],
+    /// MIS: whether a token or its whole sequence (its geometric-mean weight) is masked.
+    pub level: CorrectionLevel,
+}
+
+impl Default for RolloutCorrection {
+    fn default() -> Self {
+        RolloutCorrection {
+            mode: CorrectionMode::None,
+            cap: 2.0,
+            band: [0.5, 2.0],
+            level: CorrectionLevel::Token,
+        }
+    }
+}
+
+/// The rollout correction's kind.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CorrectionMode {
+    /// None: the ratio is taken against the generator's logprobs, as without correction.
+    #[default]
+    None,
+    /// Truncated importance sampling.
+    Tis,
+    /// Masked importance sampling.
+    Mis,
+}
+
+impl CorrectionMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CorrectionMode::None => "none",
+            CorrectionMode::Tis => "tis",
+            CorrectionMode::Mis => "mis",
+        }
+    }
+}
+
+/// What MIS masks: a token, or its whole sequence.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CorrectionLevel {
+    #[default]
+    Token,
+    Sequence,
+}
+
+impl CorrectionLevel {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CorrectionLevel::Token => "token",
+            CorrectionLevel::Sequence => "sequence",
+        }
+    }
 }
 
 /// One right-padded training micro-batch; every `[rows, width]` array is row-major.
@@ -304,6 +378,11 @@ pub struct MicroBatch {
     pub returns: Vec<f32>,
     #[serde(default)]
     pub old_values: Vec<f32>,
+    /// Per row: weight versions between the trainer's before this update and the one that
+    /// generated the row (0: generated with the very weights being trained; empty: every row
+    /// is). Splits the mismatch metrics from staleness.
+    #[serde(default)]
+    pub row_staleness: Vec<u32>,
 }
 
 impl MicroBatch {

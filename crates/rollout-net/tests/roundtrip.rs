@@ -172,9 +172,16 @@ fn samples() -> Vec<Frame> {
                         kl_coef: 0.0,
                         temperature: 1.0,
                         kl_penalty: KlPenalty::Loss,
+                        correction: RolloutCorrection {
+                            mode: CorrectionMode::Mis,
+                            cap: 2.0,
+                            band: [0.5, 2.0],
+                            level: CorrectionLevel::Sequence,
+                        },
                     },
                     returns: vec![],
                     old_values: vec![],
+                    row_staleness: vec![1],
                 }],
                 learning_rate: 1e-6,
                 epochs: 1,
@@ -266,9 +273,11 @@ fn samples() -> Vec<Frame> {
                         value_clip: 0.2,
                         value_coef: 0.5,
                         train_policy: true,
+                        correction: RolloutCorrection::default(),
                     },
                     returns: vec![0.0, 1.0],
                     old_values: vec![0.0, 0.25],
+                    row_staleness: vec![0],
                 }],
             },
             Bytes::new(),
@@ -498,6 +507,7 @@ fn objective() -> impl Strategy<Value = Objective> {
                     } else {
                         KlPenalty::Loss
                     },
+                    correction: RolloutCorrection::default(),
                 }
             }),
         (finite_f32(), finite_f32(), finite_f32(), finite_f32()).prop_map(
@@ -506,6 +516,10 @@ fn objective() -> impl Strategy<Value = Objective> {
                 clip_high,
                 kl_coef,
                 temperature,
+                correction: RolloutCorrection {
+                    mode: CorrectionMode::Tis,
+                    ..RolloutCorrection::default()
+                },
             }
         ),
         (
@@ -525,6 +539,7 @@ fn objective() -> impl Strategy<Value = Objective> {
                         value_clip,
                         value_coef,
                         train_policy,
+                        correction: RolloutCorrection::default(),
                     }
                 }
             ),
@@ -544,10 +559,11 @@ prop_compose! {
         objective in objective(),
         returns in vec(finite_f32(), 0..16),
         old_values in vec(finite_f32(), 0..16),
+        row_staleness in vec(any::<u32>(), 0..4),
     ) -> MicroBatch {
         MicroBatch {
             rows, width, input_ids, attention_mask, loss_mask, advantages, old_logprobs,
-            loss_scale, objective, returns, old_values,
+            loss_scale, objective, returns, old_values, row_staleness,
         }
     }
 }

@@ -169,3 +169,74 @@ def reasons():
         .collect();
     assert_eq!(sdk, engine);
 }
+
+/// A micro-batch's per-row staleness and its objective's rollout correction reach the SDK's
+/// `TrainBatch` as the dataclass's own field types.
+#[test]
+fn a_train_batch_carries_row_staleness_and_the_rollout_correction() {
+    use rollout_net::messages::{
+        CorrectionLevel, CorrectionMode, KlPenalty, MicroBatch, Objective, RolloutCorrection,
+    };
+    use rollout_python::contract::{TrainBatch, to_python};
+
+    let batch = MicroBatch {
+        rows: 2,
+        width: 2,
+        input_ids: vec![1, 2, 1, 3],
+        attention_mask: vec![1; 4],
+        loss_mask: vec![0.0, 1.0, 0.0, 1.0],
+        advantages: vec![0.0, 1.0, 0.0, -1.0],
+        old_logprobs: vec![0.0, -0.5, 0.0, -0.25],
+        loss_scale: 0.5,
+        objective: Objective::Grpo {
+            clip_low: 0.2,
+            clip_high: 0.2,
+            kl_coef: 0.0,
+            temperature: 1.0,
+            kl_penalty: KlPenalty::Loss,
+            correction: RolloutCorrection {
+                mode: CorrectionMode::Mis,
+                cap: 3.0,
+                band: [0.25, 4.0],
+                level: CorrectionLevel::Sequence,
+            },
+        },
+        returns: Vec::new(),
+        old_values: Vec::new(),
+        row_staleness: vec![0, 2],
+    };
+    let worker = python();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    type Seen = (Vec<i64>, bool, String, f32, (f32, f32), String);
+    let seen: Seen = runtime
+        .block_on(worker.run(move |py| -> PyResult<Seen> {
+            let train = to_python(py, TrainBatch::from(&batch))?;
+            let objective = train.getattr("objective")?;
+            Ok((
+                train
+                    .getattr("row_staleness")?
+                    .call_method0("tolist")?
+                    .extract()?,
+                train.getattr("first_logprobs")?.is_none(),
+                objective.getattr("rollout_correction")?.extract()?,
+                objective.getattr("rollout_correction_cap")?.extract()?,
+                objective.getattr("rollout_correction_band")?.extract()?,
+                objective.getattr("rollout_correction_level")?.extract()?,
+            ))
+        }))
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        seen,
+        (
+            vec![0, 2],
+            true,
+            "mis".to_owned(),
+            3.0,
+            (0.25, 4.0),
+            "sequence".to_owned()
+        )
+    );
+}

@@ -679,3 +679,52 @@ fn what_a_multi_agent_run_cannot_combine_with_is_located() {
     assert_eq!(out.status.code(), Some(2));
     assert!(stderr(&out).contains("agents take turns in an environment"));
 }
+
+#[test]
+fn rollout_correction_settings_are_checked_where_they_are_set() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cases = [
+        (
+            "[algorithm]\nrollout_correction = \"tis\"\nrollout_correction_cap = 0.5\n",
+            "rollout_correction_cap = 0.5",
+            "must be a finite number >= 1",
+        ),
+        (
+            "[algorithm]\nrollout_correction = \"mis\"\nrollout_correction_band = [1.5, 2.0]\n",
+            "rollout_correction_band",
+            "0 <= low <= 1 <= high",
+        ),
+        (
+            "[algorithm]\nname = \"sft\"\nrollout_correction = \"tis\"\n",
+            "rollout_correction = \"tis\"",
+            "policy-gradient algorithm",
+        ),
+        (
+            "[algorithm]\nrollout_correction = \"importance\"\n",
+            "rollout_correction = \"importance\"",
+            "unknown variant",
+        ),
+    ];
+    for (algorithm, located_at, message) in cases {
+        let config = toy_config(tmp.path(), DIGIT_REWARD, algorithm);
+        let out = rollout(&["check", config.to_str().unwrap()], tmp.path());
+        assert_eq!(out.status.code(), Some(2), "{algorithm}");
+        let err = stderr(&out);
+        let line = std::fs::read_to_string(&config)
+            .unwrap()
+            .lines()
+            .position(|line| line.starts_with(located_at))
+            .unwrap()
+            + 1;
+        assert!(
+            err.contains(&format!("toy.toml:{line}:")),
+            "{algorithm}: {err}"
+        );
+        assert!(err.contains(message), "{algorithm}: {err}");
+    }
+    let fine =
+        "[algorithm]\nrollout_correction = \"mis\"\nrollout_correction_level = \"sequence\"\n";
+    let config = toy_config(tmp.path(), DIGIT_REWARD, fine);
+    let out = rollout(&["check", config.to_str().unwrap()], tmp.path());
+    assert!(out.status.success(), "{}", stderr(&out));
+}

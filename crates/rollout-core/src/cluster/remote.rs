@@ -14,6 +14,7 @@ use rollout_net::messages::{
 use rollout_net::rpc::{Call, RpcClient};
 
 use crate::config::Sharding;
+use crate::mismatch;
 use crate::roles::{Learner, Publication, RoleError, RoleFuture, SaveWritten};
 
 fn role_error(err: NetError) -> RoleError {
@@ -167,8 +168,9 @@ fn padding_pass(batch: &MicroBatch) -> MicroBatch {
 }
 
 /// Merges the ranks' metrics: means weighted by each rank's loss tokens, times as the
-/// slowest rank's (the update waits for it), samples each rank left out added up, and
-/// updates skipped as any rank counts them (the ranks skip together).
+/// slowest rank's (the update waits for it), samples each rank left out added up, updates
+/// skipped as any rank counts them (the ranks skip together), and the raw mismatch
+/// measurements by their own rules (`crate::mismatch`).
 fn merge_rank_metrics(answers: &[TrainResponse], tokens: &[usize]) -> BTreeMap<String, f64> {
     let total: usize = tokens.iter().sum();
     let mut merged: BTreeMap<String, f64> = BTreeMap::new();
@@ -179,6 +181,10 @@ fn merge_rank_metrics(answers: &[TrainResponse], tokens: &[usize]) -> BTreeMap<S
             rank_tokens as f64 / total as f64
         };
         for (name, &value) in &answer.metrics {
+            if let Some(rule) = mismatch::rule(name) {
+                mismatch::merge(&mut merged, name, value, rule);
+                continue;
+            }
             let entry = merged.entry(name.clone()).or_insert(0.0);
             if name.starts_with("samples_excluded_") {
                 *entry += value;
@@ -473,6 +479,7 @@ mod tests {
             objective: rollout_net::messages::Objective::Sft,
             returns: Vec::new(),
             old_values: Vec::new(),
+            row_staleness: Vec::new(),
         };
         let padding = padding_pass(&batch);
         assert_eq!(padding.loss_tokens(), 0);
@@ -502,5 +509,27 @@ mod tests {
             &[12, 0],
         );
         assert_eq!(merged["loss"], 2.0);
+    }
+
+    #[test]
+    fn raw_mismatch_measurements_add_up_over_ranks_whatever_their_loss_tokens() {
+        let merged = merge_rank_metrics(
+            &[
+                answer(&[
+                    ("mismatch/tokens", 3.0),
+                    ("mismatch/k3_sum", 0.3),
+                    ("mismatch/ratio_min", 0.9),
+                ]),
+                answer(&[
+                    ("mismatch/tokens", 1.0),
+                    ("mismatch/k3_sum", 0.1),
+                    ("mismatch/ratio_min", 0.7),
+                ]),
+            ],
+            &[10, 30],
+        );
+        assert_eq!(merged["mismatch/tokens"], 4.0);
+        assert!((merged["mismatch/k3_sum"] - 0.4).abs() < 1e-12);
+        assert_eq!(merged["mismatch/ratio_min"], 0.7);
     }
 }

@@ -1,6 +1,7 @@
 //! `[algorithm]`: the training algorithm, its advantage estimator and the knobs of its
 //! objective (docs/algorithms.md).
 
+use rollout_net::messages::{CorrectionLevel, CorrectionMode, RolloutCorrection};
 use serde::{Deserialize, Serialize};
 
 /// The training algorithm: its advantage estimator and objective (see docs/algorithms.md).
@@ -95,6 +96,16 @@ pub struct AlgorithmConfig {
     pub critic_warmup_steps: u64,
     /// PPO: advantages are shifted and scaled to mean 0, standard deviation 1 over the step.
     pub whiten_advantages: bool,
+    /// Rollout correction for the generator's logprobs differing from the trainer's:
+    /// `none`, `tis` (truncated importance sampling) or `mis` (masked importance sampling).
+    pub rollout_correction: CorrectionMode,
+    /// TIS: the largest importance weight.
+    pub rollout_correction_cap: f32,
+    /// MIS: the importance weights kept, `[low, high]`.
+    pub rollout_correction_band: [f32; 2],
+    /// MIS: mask single tokens (`token`) or whole sequences by their geometric-mean weight
+    /// (`sequence`).
+    pub rollout_correction_level: CorrectionLevel,
 }
 
 impl Default for AlgorithmConfig {
@@ -120,6 +131,10 @@ impl Default for AlgorithmConfig {
             value_coef: 0.5,
             critic_warmup_steps: 0,
             whiten_advantages: true,
+            rollout_correction: CorrectionMode::None,
+            rollout_correction_cap: 2.0,
+            rollout_correction_band: [0.5, 2.0],
+            rollout_correction_level: CorrectionLevel::Token,
         }
     }
 }
@@ -137,5 +152,15 @@ impl AlgorithmConfig {
             _ => (0.2, 0.2),
         };
         (self.clip_low.unwrap_or(low), self.clip_high.unwrap_or(high))
+    }
+
+    /// The rollout correction the objective applies.
+    pub fn correction(&self) -> RolloutCorrection {
+        RolloutCorrection {
+            mode: self.rollout_correction,
+            cap: self.rollout_correction_cap,
+            band: self.rollout_correction_band,
+            level: self.rollout_correction_level,
+        }
     }
 }

@@ -2,6 +2,7 @@
 
 use super::loaded::{ConfigError, LoadedConfig};
 use super::location::KeyPath;
+use rollout_net::messages::CorrectionMode;
 
 impl LoadedConfig {
     /// An error at the dotted `path` (where the file set it) unless `ok`.
@@ -309,6 +310,30 @@ fn validate_algorithm(loaded: &LoadedConfig) -> Result<(), ConfigError> {
         "algorithm.value_coef",
         "must be a finite number > 0",
     )?;
+    validate_rollout_correction(loaded)
+}
+
+fn validate_rollout_correction(loaded: &LoadedConfig) -> Result<(), ConfigError> {
+    let algorithm = &loaded.config.algorithm;
+    let cap = algorithm.rollout_correction_cap;
+    loaded.require(
+        cap.is_finite() && cap >= 1.0,
+        "algorithm.rollout_correction_cap",
+        "must be a finite number >= 1",
+    )?;
+    let [low, high] = algorithm.rollout_correction_band;
+    loaded.require(
+        low.is_finite() && high.is_finite() && (0.0..=1.0).contains(&low) && high >= 1.0,
+        "algorithm.rollout_correction_band",
+        "must be [low, high] with 0 <= low <= 1 <= high",
+    )?;
+    if algorithm.rollout_correction != CorrectionMode::None {
+        loaded.require(
+            algorithm.name.samples(),
+            "algorithm.rollout_correction",
+            "corrects the generator's logprobs of a policy-gradient algorithm: not DPO or SFT",
+        )?;
+    }
     Ok(())
 }
 

@@ -12,6 +12,9 @@ pub struct TrainSequence {
     pub loss_mask: Vec<bool>,
     pub logprobs: Vec<f32>,
     pub advantage: f32,
+    /// Weight versions between the trainer's before the update and the one that generated
+    /// the sequence (0 for data the trainer did not sample).
+    pub staleness: u32,
 }
 
 impl TrainSequence {
@@ -142,6 +145,7 @@ fn filled_batch(
         objective: objective.clone(),
         returns: Vec::new(),
         old_values: Vec::new(),
+        row_staleness: rows.iter().map(|s| s.staleness).collect(),
     };
     for (row, sequence) in rows.iter().enumerate() {
         let start = row * width;
@@ -173,6 +177,7 @@ mod tests {
                 .map(|t| if t >= prompt { -0.5 } else { 0.0 })
                 .collect(),
             advantage,
+            staleness: 0,
         }
     }
 
@@ -187,6 +192,7 @@ mod tests {
         assert_eq!(b.loss_mask, [0.0, 0.0, 1.0, 1.0, 1.0]);
         assert_eq!(b.advantages, [0.0, 0.0, 1.5, 1.5, 1.5]);
         assert_eq!(b.old_logprobs, [0.0, 0.0, -0.5, -0.5, -0.5]);
+        assert_eq!(b.row_staleness, [0]);
         assert!((b.loss_scale - 1.0 / 3.0).abs() < 1e-7);
         assert_eq!(stats.real_tokens, 5);
     }
@@ -235,6 +241,16 @@ mod tests {
                 assert_eq!(rejected.iter().filter(|&&m| m > 0.0).count(), 1);
             }
         }
+    }
+
+    #[test]
+    fn each_row_carries_its_sequences_staleness() {
+        let mut stale = sequence(1, 3, 1.0);
+        stale.staleness = 2;
+        let seqs = [sequence(1, 1, 1.0), stale];
+        let (batches, _) = micro_batches(&seqs, &Objective::Sft, 100, false);
+        // Longest first: the stale sequence is row 0.
+        assert_eq!(batches[0].row_staleness, [2, 0]);
     }
 
     #[test]

@@ -155,5 +155,6 @@ pub(super) fn supervised_sequence(prompt: &[u32], completion: &[u32]) -> TrainSe
         logprobs: vec![0.0; tokens.len()],
         tokens,
         advantage: 0.0,
+        staleness: 0,
     }
 }

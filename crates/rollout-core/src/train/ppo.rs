@@ -193,6 +193,7 @@ mod tests {
             objective: rollout_net::messages::Objective::Sft,
             returns: Vec::new(),
             old_values: Vec::new(),
+            row_staleness: Vec::new(),
         }
     }
 

@@ -29,6 +29,7 @@ pub(super) fn rl_objective(config: &Config, step: u64) -> Objective {
         1.0
     };
     let kl_coef = algorithm.kl_coef;
+    let correction = algorithm.correction();
     match algorithm.name {
         Algorithm::Ppo => Objective::Ppo {
             clip_low,
@@ -38,12 +39,14 @@ pub(super) fn rl_objective(config: &Config, step: u64) -> Objective {
             value_clip: algorithm.value_clip,
             value_coef: algorithm.value_coef,
             train_policy: step > algorithm.critic_warmup_steps,
+            correction,
         },
         Algorithm::Gspo => Objective::Gspo {
             clip_low,
             clip_high,
             kl_coef,
             temperature,
+            correction,
         },
         name => Objective::Grpo {
             clip_low,
@@ -55,6 +58,7 @@ pub(super) fn rl_objective(config: &Config, step: u64) -> Objective {
             } else {
                 KlPenalty::Loss
             },
+            correction,
         },
     }
 }
@@ -190,6 +194,7 @@ impl<'a> Controller<'a> {
         } else {
             &collected.advantages
         };
+        let trained_version = self.state.weight_version;
         let trained: Vec<usize> = (0..collected.trajectories.len())
             .filter(|&i| collected.failures.get(i).is_some_and(Option::is_none))
             .collect();
@@ -202,6 +207,7 @@ impl<'a> Controller<'a> {
                     loss_mask: trajectory.loss_mask.clone(),
                     logprobs: trajectory.logprobs.clone(),
                     advantage: per_sequence.get(i).copied().unwrap_or(0.0) as f32,
+                    staleness: staleness(trained_version, trajectory.weight_version),
                 }
             })
             .collect();
@@ -342,6 +348,15 @@ async fn send_away_producers(
     Ok(sampler.roles.generator.send_away(producers, reason).await?)
 }
 
+/// Weight versions between the trainer's `trained` ones and those that `generated` a row
+/// (0 for a row nothing generated: it has no loss token).
+fn staleness(trained: u64, generated: u64) -> u32 {
+    if generated == u64::MAX {
+        return 0;
+    }
+    u32::try_from(trained.saturating_sub(generated)).unwrap_or(u32::MAX)
+}
+
 /// `rate` for the `rl_update`-th RL update (from 1): linear warm-up over
 /// `train.warmup_steps` updates, then constant.
 pub(super) fn warmed_up(rate: f64, config: &Config, rl_update: u64) -> f64 {
@@ -350,4 +365,17 @@ pub(super) fn warmed_up(rate: f64, config: &Config, rl_update: u64) -> f64 {
         return rate;
     }
     rate * (rl_update as f64 / warmup as f64).min(1.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::staleness;
+
+    #[test]
+    fn staleness_is_the_versions_between_trainer_and_generator() {
+        assert_eq!(staleness(5, 5), 0);
+        assert_eq!(staleness(5, 3), 2);
+        // Nothing generated (its episode failed before its first turn).
+        assert_eq!(staleness(5, u64::MAX), 0);
+    }
 }

@@ -76,6 +76,7 @@ mod tests {
             objective: Objective::Sft,
             returns: Vec::new(),
             old_values: Vec::new(),
+            row_staleness: Vec::new(),
         }
     }
 

@@ -62,7 +62,7 @@ impl StepReport {
         self.durations(&mut line);
         self.weight_versions(&mut line);
         line.learning_rate = Some(self.learning_rate);
-        let mut trained = self.response.metrics;
+        let mut trained = crate::mismatch::finish(self.response.metrics);
         line.loss = trained.remove("loss");
         line.measured.extend(trained);
         line.measured.extend(self.collected.generator_metrics);

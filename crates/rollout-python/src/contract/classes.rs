@@ -114,6 +114,8 @@ sdk_classes! {
         pub objective: Objective,
         pub returns: Option<Array<f32, 2>>,
         pub old_values: Option<Array<f32, 2>>,
+        pub row_staleness: Option<Array<i64, 1>>,
+        pub first_logprobs: Option<Array<f32, 2>>,
     }
 
     #[derive(Debug)]
@@ -123,6 +125,10 @@ sdk_classes! {
         pub kl_coef: f32,
         pub temperature: f32,
         pub kl_penalty: String,
+        pub rollout_correction: String,
+        pub rollout_correction_cap: f32,
+        pub rollout_correction_band: Tuple<f32>,
+        pub rollout_correction_level: String,
     }
 
     #[derive(Debug)]
@@ -131,6 +137,10 @@ sdk_classes! {
         pub clip_high: f32,
         pub kl_coef: f32,
         pub temperature: f32,
+        pub rollout_correction: String,
+        pub rollout_correction_cap: f32,
+        pub rollout_correction_band: Tuple<f32>,
+        pub rollout_correction_level: String,
     }
 
     #[derive(Debug)]
@@ -142,6 +152,10 @@ sdk_classes! {
         pub value_clip: f32,
         pub value_coef: f32,
         pub train_policy: bool,
+        pub rollout_correction: String,
+        pub rollout_correction_cap: f32,
+        pub rollout_correction_band: Tuple<f32>,
+        pub rollout_correction_level: String,
     }
 
     #[derive(Debug)]

@@ -6,7 +6,7 @@ use rollout_core::config::TrainConfig;
 use rollout_core::roles;
 use rollout_core::scheduler::{StepOutput, StepPlan};
 use rollout_net::messages::{
-    self, GenerateRequest, KlPenalty, MicroBatch, PromptRequest, ScoreSample,
+    self, GenerateRequest, KlPenalty, MicroBatch, PromptRequest, RolloutCorrection, ScoreSample,
 };
 use rollout_net::{Dtype, TensorBytes};
 
@@ -77,6 +77,29 @@ impl From<&MicroBatch> for TrainBatch {
             objective: Objective::from(&batch.objective),
             returns: ppo(&batch.returns),
             old_values: ppo(&batch.old_values),
+            row_staleness: (!batch.row_staleness.is_empty()).then(|| {
+                Array::vector(batch.row_staleness.iter().map(|&s| i64::from(s)).collect())
+            }),
+            first_logprobs: None,
+        }
+    }
+}
+
+/// The SDK objectives' `rollout_correction*` fields.
+struct Correction {
+    mode: String,
+    cap: f32,
+    band: Tuple<f32>,
+    level: String,
+}
+
+impl From<RolloutCorrection> for Correction {
+    fn from(correction: RolloutCorrection) -> Self {
+        Correction {
+            mode: correction.mode.as_str().to_owned(),
+            cap: correction.cap,
+            band: Tuple(correction.band.to_vec()),
+            level: correction.level.as_str().to_owned(),
         }
     }
 }
@@ -90,28 +113,44 @@ impl From<&messages::Objective> for Objective {
                 kl_coef,
                 temperature,
                 kl_penalty,
-            } => Objective::Grpo(GrpoObjective {
-                clip_low,
-                clip_high,
-                kl_coef,
-                temperature,
-                kl_penalty: match kl_penalty {
-                    KlPenalty::Loss => "loss",
-                    KlPenalty::Reward => "reward",
-                }
-                .to_owned(),
-            }),
+                correction,
+            } => {
+                let correction = Correction::from(correction);
+                Objective::Grpo(GrpoObjective {
+                    clip_low,
+                    clip_high,
+                    kl_coef,
+                    temperature,
+                    kl_penalty: match kl_penalty {
+                        KlPenalty::Loss => "loss",
+                        KlPenalty::Reward => "reward",
+                    }
+                    .to_owned(),
+                    rollout_correction: correction.mode,
+                    rollout_correction_cap: correction.cap,
+                    rollout_correction_band: correction.band,
+                    rollout_correction_level: correction.level,
+                })
+            }
             messages::Objective::Gspo {
                 clip_low,
                 clip_high,
                 kl_coef,
                 temperature,
-            } => Objective::Gspo(GspoObjective {
-                clip_low,
-                clip_high,
-                kl_coef,
-                temperature,
-            }),
+                correction,
+            } => {
+                let correction = Correction::from(correction);
+                Objective::Gspo(GspoObjective {
+                    clip_low,
+                    clip_high,
+                    kl_coef,
+                    temperature,
+                    rollout_correction: correction.mode,
+                    rollout_correction_cap: correction.cap,
+                    rollout_correction_band: correction.band,
+                    rollout_correction_level: correction.level,
+                })
+            }
             messages::Objective::Ppo {
                 clip_low,
                 clip_high,
@@ -120,15 +159,23 @@ impl From<&messages::Objective> for Objective {
                 value_clip,
                 value_coef,
                 train_policy,
-            } => Objective::Ppo(PpoObjective {
-                clip_low,
-                clip_high,
-                kl_coef,
-                temperature,
-                value_clip,
-                value_coef,
-                train_policy,
-            }),
+                correction,
+            } => {
+                let correction = Correction::from(correction);
+                Objective::Ppo(PpoObjective {
+                    clip_low,
+                    clip_high,
+                    kl_coef,
+                    temperature,
+                    value_clip,
+                    value_coef,
+                    train_policy,
+                    rollout_correction: correction.mode,
+                    rollout_correction_cap: correction.cap,
+                    rollout_correction_band: correction.band,
+                    rollout_correction_level: correction.level,
+                })
+            }
             messages::Objective::Dpo { beta } => Objective::Dpo(DpoObjective { beta }),
             messages::Objective::Sft => Objective::Sft(SftObjective {}),
         }

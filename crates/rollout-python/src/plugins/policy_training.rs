@@ -15,17 +15,21 @@ use numpy::{PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyMapping};
 use rollout_core::metrics::is_trainer_count;
+use rollout_core::mismatch;
 use rollout_core::train::screen::{invalid_rows, without_rows};
 use rollout_net::messages::{ExcludedRow, Exclusion, MicroBatch, TrainRequest, ValuesRequest};
 
 use super::PluginError;
 use super::policy::PolicyPlugin;
-use crate::contract::{TrainBatch, to_python};
+use crate::contract::{Array, TrainBatch, to_python};
 
-/// One `train_step`'s answer: its metrics and the rows it left out of the loss.
+/// One `train_step`'s answer: its metrics, the rows it left out of the loss, and the
+/// trainer's logprobs at its first evaluation when a rollout correction asks for them back in
+/// later epochs (`[rows, width]` row-major).
 struct StepOutcome {
     metrics: BTreeMap<String, f64>,
     excluded_rows: Vec<u32>,
+    first_logprobs: Option<Vec<f32>>,
 }
 
 /// An update's metrics as they accumulate over micro-batches and epochs.
@@ -37,12 +41,21 @@ struct Accumulated {
     /// The last update's own metrics (counts added up over updates).
     update: BTreeMap<String, f64>,
     skipped: f64,
+    /// The first epoch's raw mismatch measurements, combined by their rules: they compare
+    /// the generator with the trainer at its first evaluation of the samples.
+    mismatch: BTreeMap<String, f64>,
 }
 
 impl Accumulated {
-    fn add_step(&mut self, metrics: BTreeMap<String, f64>, tokens: f64) {
+    fn add_step(&mut self, metrics: BTreeMap<String, f64>, tokens: f64, first_epoch: bool) {
         self.tokens += tokens;
         for (name, value) in metrics.into_iter().filter(|(_, v)| v.is_finite()) {
+            if let Some(rule) = mismatch::rule(&name) {
+                if first_epoch {
+                    mismatch::merge(&mut self.mismatch, &name, value, rule);
+                }
+                continue;
+            }
             // Times and counts add up; everything else is a token-weighted mean (over
             // epochs too).
             let weight = if name.ends_with("_seconds") || is_trainer_count(&name) {
@@ -81,6 +94,7 @@ impl Accumulated {
             })
             .collect();
         metrics.extend(self.update);
+        metrics.extend(self.mismatch);
         let count = |reason| excluded.iter().filter(|row| row.reason == reason).count();
         metrics.insert(
             "samples_excluded_invalid".into(),
@@ -110,20 +124,27 @@ impl PolicyPlugin {
         let (batches, mut excluded) = self.screen(&request.micro_batches);
         let mut accumulated = Accumulated::default();
         let passes = batches.len();
-        for _ in 0..request.epochs.max(1) {
+        let epochs = request.epochs.max(1);
+        let mut first_logprobs: Vec<Option<Vec<f32>>> = vec![None; passes];
+        for epoch in 0..epochs {
             let mut losses_finite = true;
             for (index, micro_batch) in batches.iter().enumerate() {
                 if let Some(group) = self.data_parallel.get() {
                     self.before_micro_batch(py, group, index + 1 == passes)?;
                 }
-                let outcome = self.train_step(py, micro_batch)?;
+                let first = first_logprobs[index].as_deref();
+                let mut outcome = self.train_step(py, micro_batch, first)?;
+                if epoch == 0 && epochs > 1 {
+                    first_logprobs[index] = outcome.first_logprobs.take();
+                }
                 losses_finite &= outcome.metrics.get("loss").is_some_and(|l| l.is_finite());
                 excluded.extend(outcome.excluded_rows.iter().map(|&row| ExcludedRow {
                     micro_batch: index as u32,
                     row,
                     reason: Exclusion::NonFinite,
                 }));
-                accumulated.add_step(outcome.metrics, micro_batch.loss_tokens() as f64);
+                let tokens = micro_batch.loss_tokens() as f64;
+                accumulated.add_step(outcome.metrics, tokens, epoch == 0);
             }
             if !self.update_is_finite(py, losses_finite)? {
                 accumulated.skipped += 1.0;
@@ -208,11 +229,19 @@ impl PolicyPlugin {
         Ok(finite)
     }
 
-    fn train_step(&self, py: Python<'_>, batch: &MicroBatch) -> Result<StepOutcome, PluginError> {
+    /// `train_step` on `batch`, given the trainer's logprobs at its `first` evaluation of it
+    /// (from the second epoch on, when a rollout correction returned them).
+    fn train_step(
+        &self,
+        py: Python<'_>,
+        batch: &MicroBatch,
+        first: Option<&[f32]>,
+    ) -> Result<StepOutcome, PluginError> {
         let hook = "train_step";
-        let train_batch = self
-            .train_batch(py, batch)
-            .map_err(|err| self.plugin.raised(py, hook, &err))?;
+        let mut contract = TrainBatch::from(batch);
+        contract.first_logprobs = first.map(|v| Array::matrix(v.to_vec(), batch.rows, batch.width));
+        let train_batch =
+            to_python(py, contract).map_err(|err| self.plugin.raised(py, hook, &err))?;
         let result = self.plugin.call(py, hook, (train_batch,))?;
         let bad = |reason: &str| self.plugin.bad_return(hook, reason.to_owned());
         let returned = result
@@ -238,6 +267,7 @@ impl PolicyPlugin {
             )));
         }
         let _ = metrics.del_item("excluded_rows");
+        let first_logprobs = self.returned_first_logprobs(&metrics, batch)?;
         let metrics = self.float_metrics(hook, metrics.as_any())?;
         if !metrics.contains_key("loss") {
             return Err(bad("the returned metrics have no `loss`"));
@@ -245,7 +275,35 @@ impl PolicyPlugin {
         Ok(StepOutcome {
             metrics,
             excluded_rows,
+            first_logprobs,
         })
+    }
+
+    /// The `first_logprobs` entry of `train_step`'s answer (taken out of `metrics`): a
+    /// float32 array of the micro-batch's shape, row-major.
+    fn returned_first_logprobs(
+        &self,
+        metrics: &Bound<'_, PyDict>,
+        batch: &MicroBatch,
+    ) -> Result<Option<Vec<f32>>, PluginError> {
+        let hook = "train_step";
+        let Ok(Some(returned)) = metrics.get_item("first_logprobs") else {
+            return Ok(None);
+        };
+        let _ = metrics.del_item("first_logprobs");
+        let bad = |reason: String| self.plugin.bad_return(hook, reason);
+        let array = returned
+            .extract::<PyReadonlyArray2<f32>>()
+            .map_err(|_| bad("`first_logprobs` must be a 2-D float32 array".into()))?;
+        if array.shape() != [batch.rows, batch.width] {
+            return Err(bad(format!(
+                "`first_logprobs` has shape {:?}, the micro-batch is [{}, {}]",
+                array.shape(),
+                batch.rows,
+                batch.width
+            )));
+        }
+        Ok(Some(array.as_array().iter().copied().collect()))
     }
 
     fn train_batch<'py>(&self, py: Python<'py>, batch: &MicroBatch) -> PyResult<Bound<'py, PyAny>> {

@@ -68,6 +68,8 @@ pub(super) async fn train_agents(
                 loss_mask: t.loss_mask.clone(),
                 logprobs: t.logprobs.clone(),
                 advantage: advantages[t.episode] as f32,
+                // Agents play with the weights they train (no staleness in a team).
+                staleness: 0,
             })
             .collect();
         let (batches, _) = micro_batches(
@@ -123,7 +125,7 @@ pub(super) fn metrics(
         put("learning_rate", trained.learning_rate);
         put("weight_version", trained.response.weight_version as f64);
         put("train_seconds", trained.train_seconds);
-        for (name, value) in &trained.response.metrics {
+        for (name, value) in &crate::mismatch::finish(trained.response.metrics.clone()) {
             put(name, *value);
         }
     }
