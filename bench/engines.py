@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import platform
 import statistics
 import subprocess
@@ -97,6 +98,7 @@ def measure_model(name: str, work: Path, args: argparse.Namespace) -> dict:
     model_dir = work / name
     create_tiny_model(model_dir, max_positions=256, seed=0, **MODELS[name])
     perturb_saved_model(model_dir, seed=1)
+    parameters = parameter_count(model_dir)
     runs: dict[str, list[dict]] = {engine: [] for engine in ENGINES}
     first_token: dict[str, list[float]] = {engine: [] for engine in ENGINES}
     for _ in range(args.repeats):
@@ -108,7 +110,7 @@ def measure_model(name: str, work: Path, args: argparse.Namespace) -> dict:
             "tokens_per_second": median(r["tokens_per_second"] for r in runs[engine]),
             "completions_per_second": median(r["completions"] / r["seconds"] for r in runs[engine]),
             "time_to_first_token_seconds": median(first_token[engine]),
-            "peak_rss_mib": median(r["peak_rss_mib"] for r in runs[engine]),
+            "peak_rss_mib": max((r["peak_rss_mib"] or 0.0) for r in runs[engine]) or None,
             "runs": runs[engine],
         }
         for engine in ENGINES
@@ -117,7 +119,7 @@ def measure_model(name: str, work: Path, args: argparse.Namespace) -> dict:
         per_engine["vllm"]["tokens_per_second"] / per_engine["rollout"]["tokens_per_second"], 3
     )
     return {
-        "parameters": parameter_count(model_dir),
+        "parameters": parameters,
         "engines": per_engine,
         "weight_update_seconds": weight_update_seconds(model_dir, args),
         "greedy_float32": greedy_comparison(model_dir, work, args),
@@ -141,7 +143,7 @@ def parameter_count(model_dir: Path) -> int:
     from safetensors import safe_open
 
     with safe_open(model_dir / "model.safetensors", "pt") as tensors:
-        return sum(tensors.get_slice(key).get_shape().numel() for key in tensors.keys())
+        return sum(math.prod(tensors.get_slice(key).get_shape()) for key in tensors.keys())
 
 
 def config_text(engine: str, model_dir: Path, work: Path, args: argparse.Namespace, max_tokens: int) -> str:
@@ -191,14 +193,14 @@ def generate(
     config.write_text(config_text(engine, model_dir, work, args, max_tokens or args.max_tokens))
     output = work / f"{engine}.jsonl"
     extra = ["--set", "rollout.temperature=0", "--set", "rollout.ignore_eos=false"] if greedy else []
-    command = ["/usr/bin/time", "-f", "peak_rss_kib=%M", args.rollout, "generate", str(config), *extra]
-    command += ["--output", str(output)]
+    timed = ["/usr/bin/time", "-f", "peak_rss_kib=%M"] if Path("/usr/bin/time").exists() else []
+    command = [*timed, args.rollout, "generate", str(config), *extra, "--output", str(output)]
     result = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
     if result.returncode != 0:
         raise SystemExit(f"rollout generate ({engine}) failed:\n{result.stderr[-4000:]}")
     stats = json.loads(result.stdout.strip().splitlines()[-1])
-    peak = [line for line in result.stderr.splitlines() if line.startswith("peak_rss_kib=")][-1]
-    stats["peak_rss_mib"] = round(int(peak.split("=")[1]) / 1024, 1)
+    peaks = [line for line in result.stderr.splitlines() if line.startswith("peak_rss_kib=")]
+    stats["peak_rss_mib"] = round(int(peaks[-1].split("=")[1]) / 1024, 1) if peaks else None
     if greedy:
         stats["completions_written"] = [json.loads(line) for line in output.read_text().splitlines()]
     return {key: value for key, value in stats.items() if not key.startswith("engine/")}

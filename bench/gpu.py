@@ -15,6 +15,9 @@ stopped, its subprocesses killed, and what it measured so far kept):
   completions/s and the median seconds of each phase, from ``metrics.jsonl``.
 - ``launch``: ``rollout launch`` with one generation worker and one trainer rank sharing
   the GPU (colocated): ``weight_sync_seconds`` from ``metrics.jsonl``.
+- ``engines`` (only when named in ``--stages``: vLLM must be installed on the machine):
+  ``bench/engines.py`` on the device, Rollout's engine against vLLM (tokens/s, time to first
+  token, weight update time, greedy tokens compared).
 
 Each stage records its peak device memory: ``torch.cuda.max_memory_allocated`` and
 ``max_memory_reserved`` in this process (``weight_sync``, HF ``generate``) or in the run's
@@ -58,13 +61,21 @@ from bench.gpu_guard import StageError, StageTimeout, deadline  # noqa: E402
 # Re-exported: the grpo stage's runs load the callback as `bench.gpu:PeakDeviceMemory`.
 from bench.gpu_memory import PeakDeviceMemory as PeakDeviceMemory  # noqa: E402
 from bench.gpu_memory import release_device_memory  # noqa: E402
-from bench.gpu_stages import stage_engine, stage_grpo, stage_launch, stage_weight_sync  # noqa: E402
+from bench.gpu_stages import (  # noqa: E402
+    stage_engine,
+    stage_engines,
+    stage_grpo,
+    stage_launch,
+    stage_weight_sync,
+)
 
 if TYPE_CHECKING:
     import torch
 
 RESULTS = REPO / "bench" / "results" / "gpu.json"
 STAGES = ("weight_sync", "engine", "grpo", "launch")
+# Run only when asked for: they need what the default stages do not (vLLM).
+OPTIONAL_STAGES = ("engines",)
 
 
 def run_stage(
@@ -234,6 +245,7 @@ BODIES: dict[str, Callable[[Context, dict[str, Any]], None]] = {
     "engine": stage_engine,
     "grpo": stage_grpo,
     "launch": stage_launch,
+    "engines": stage_engines,
 }
 
 
@@ -246,7 +258,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--device", help="torch device (default: cuda, or cpu with --dry-run)")
     parser.add_argument(
-        "--stages", nargs="+", choices=STAGES, default=list(STAGES), help="stages to run, in this order"
+        "--stages",
+        nargs="+",
+        choices=STAGES + OPTIONAL_STAGES,
+        default=list(STAGES),
+        help="stages to run, in this order",
     )
     parser.add_argument(
         "--budget-seconds", type=float, help="time guard for the whole run (default: preset's)"

@@ -75,8 +75,8 @@ GPU = Preset(
     max_new_tokens=32,
     # 7 minutes: the rest of the 8 is for starting Python, creating the model, writing.
     budget_seconds=420,
-    stage_max_seconds={"weight_sync": 45, "engine": 150, "grpo": 120, "launch": 120},
-    stage_min_seconds={"weight_sync": 10, "engine": 40, "grpo": 40, "launch": 40},
+    stage_max_seconds={"weight_sync": 45, "engine": 150, "grpo": 120, "launch": 120, "engines": 300},
+    stage_min_seconds={"weight_sync": 10, "engine": 40, "grpo": 40, "launch": 40, "engines": 120},
 )
 
 DRY = Preset(
@@ -103,8 +103,8 @@ DRY = Preset(
     group_size=2,
     max_new_tokens=8,
     budget_seconds=170,
-    stage_max_seconds={"weight_sync": 30, "engine": 70, "grpo": 60, "launch": 90},
-    stage_min_seconds={"weight_sync": 2, "engine": 10, "grpo": 10, "launch": 10},
+    stage_max_seconds={"weight_sync": 30, "engine": 70, "grpo": 60, "launch": 90, "engines": 300},
+    stage_min_seconds={"weight_sync": 2, "engine": 10, "grpo": 10, "launch": 10, "engines": 60},
 )
 
 

@@ -9,6 +9,7 @@ import contextlib
 import json
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -439,3 +440,24 @@ def stage_launch(ctx: Context, result: dict[str, Any]) -> None:
         completions_per_second=throughput(lines, 1 if len(lines) > 1 else 0),
         memory=poller.result(),
     )
+
+
+def stage_engines(ctx: Context, result: dict[str, Any]) -> None:
+    """``bench/engines.py`` on the device: Rollout's engine against vLLM, same model and
+    workload; its report is this stage's result. Recorded as skipped where vLLM is missing."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        result["skipped"] = "vLLM is not installed here (docs/vllm.md: `vllm==0.32.0` on a GPU machine)"
+        return
+    require_binary(ctx)
+    out = ctx.work / "engines.json"
+    models = ["quickstart_4m"] if ctx.dry_run else ["quickstart_4m", "small_25m"]
+    command = [sys.executable, str(REPO / "bench" / "engines.py"), "--rollout", str(ctx.rollout)]
+    command += ["--device", ctx.device.type, "--repeats", "1", "--output", str(out), "--models", *models]
+    if ctx.dry_run:
+        command += ["--prompts", "8", "--max-tokens", "8"]
+    completed = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+    if completed.returncode != 0:
+        raise StageError(f"bench/engines.py exited {completed.returncode}: {completed.stderr[-3000:]}")
+    result.update(json.loads(out.read_text()))

