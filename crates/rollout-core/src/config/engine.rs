@@ -25,6 +25,11 @@ pub(super) fn validate_engine(loaded: &LoadedConfig) -> Result<(), ConfigError> 
          `[engine.vllm] engine_args`",
     )?;
     loaded.require(
+        !config.multi_agent(),
+        "engine.backend",
+        "multi-agent runs sample with Rollout's engine only (each agent's policy is its own model)",
+    )?;
+    loaded.require(
         config.algorithm.name != Algorithm::Ppo,
         "algorithm.name",
         "PPO cannot sample with vLLM yet: its value head is part of the weights a version \

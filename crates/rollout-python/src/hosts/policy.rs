@@ -70,7 +70,6 @@ impl PolicyHost {
             .instrument(tracing::info_span!("engine.load", backend = spec))
             .await??;
         tracing::info!("generation samples with `{spec}`");
-        self.engine = None;
         self.backend = Some(Arc::new(backend));
         Ok(self)
     }
@@ -95,7 +94,9 @@ impl PolicyHost {
             .run(move |py| eos_source.eos_token_ids(py))
             .await?
             .map_err(RoleError::from)?;
-        let engine = if loaded.config.engine.enabled {
+        // A generation backend (`[engine] backend`) samples in place of Rollout's engine.
+        let rollout_samples = loaded.config.engine.backend.plugin().is_none();
+        let engine = if loaded.config.engine.enabled && rollout_samples {
             PagedGenerator::start(&worker, policy.clone(), &loaded.config.engine).await?
         } else {
             None
