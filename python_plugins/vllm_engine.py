@@ -29,6 +29,10 @@ __all__ = ["RolloutWorkerExtension", "VllmEngine"]
 # The engine core runs in this process: `rollout` embeds Python, so `sys.executable` is not an
 # interpreter that vLLM could start its engine process with.
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+# vLLM logs to stdout by default. Standard output is a command's output (`rollout generate`'s
+# JSON), and a worker whose stdout is a pipe nobody reads would block on vLLM's next log line;
+# logs go to standard error, with Rollout's own.
+os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
 _SEED_SPAN = 1 << 62
 

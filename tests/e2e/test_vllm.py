@@ -93,7 +93,10 @@ def greedy_completions(tmp_path: Path, artifacts: Path, model: Path, backend: st
     }
     config = write_config(tmp_path, artifacts, overrides, filename=f"{backend}.toml")
     output = tmp_path / f"{backend}.jsonl"
-    rollout("generate", config, "--limit", "16", "--output", output, cwd=tmp_path)
+    result = rollout("generate", config, "--limit", "16", "--output", output, cwd=tmp_path)
+    # Standard output is the command's JSON alone: vLLM's logs go to standard error (a
+    # worker whose stdout pipe nobody reads would block on them).
+    assert [json.loads(line)["completions"] for line in result.stdout.splitlines()] == [64]
     return [json.loads(line) for line in output.read_text().splitlines()]
 
 
