@@ -39,8 +39,8 @@ pub struct Children {
 pub enum Exited {
     /// The generation worker of this name died and was started again.
     Restarted(String),
-    /// A generation worker left on its own (drained) or ran out of restarts; the run goes
-    /// on with the others.
+    /// A generation worker left on its own (drained) or ran out of restarts (the run goes on
+    /// with the others), or a trainer rank the controller shut down.
     Left,
     /// The trainer rank in this slot exited: the ranks cannot go on as they are.
     TrainerLost { slot: usize, reason: String },
@@ -274,7 +274,9 @@ impl Children {
             Ok(status) => (status.success(), status.to_string()),
             Err(err) => (false, err.to_string()),
         };
-        if let Some(slot) = role.trainer_slot {
+        // A trainer rank exits successfully only when the controller shut it down: at the
+        // end of the run, which may still be waiting for generation workers to leave.
+        if let Some(slot) = role.trainer_slot.filter(|_| !success) {
             let reason = format!("{} exited with {status}", role.name);
             return Some(Exited::TrainerLost { slot, reason });
         }
