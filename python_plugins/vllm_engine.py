@@ -35,6 +35,12 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
 _SEED_SPAN = 1 << 62
+_CPU_KV_CACHE_BYTES = 1 << 30
+# What `VllmEngine` passes to `vllm.LLM` itself: the logprob semantics and weight updates
+# depend on them.
+_OWN_ARGUMENTS = frozenset(
+    {"model", "logprobs_mode", "worker_extension_cls", "enable_sleep_mode", "enable_prefix_caching"}
+)
 
 
 class RolloutWorkerExtension:
@@ -67,9 +73,6 @@ class RolloutWorkerExtension:
     def rollout_set_logits_scale(self, scale: float) -> None:
         self.model_runner.model.logits_processor.scale = scale
 
-    def rollout_parameter_names(self) -> list[str]:
-        return [name for name, _ in self.model_runner.model.named_parameters()]
-
 
 class VllmEngine(GenerationEngine):
     """Samples with vLLM in this process; see the module docstring."""
@@ -84,7 +87,8 @@ class VllmEngine(GenerationEngine):
         max_model_len: int = 0
         # Run the model eagerly (no torch.compile or CUDA graphs): faster to start, slower to run.
         enforce_eager: bool = False
-        # KV-cache bytes; 0 lets vLLM size it from `gpu_memory_utilization`.
+        # KV-cache bytes; 0 lets vLLM size it from `gpu_memory_utilization` on a GPU, and is
+        # 1 GiB on a CPU (where vLLM would take that share of the host's memory).
         kv_cache_bytes: int = 0
         gpu_memory_utilization: float = 0.5
         max_num_seqs: int = 256
@@ -92,7 +96,8 @@ class VllmEngine(GenerationEngine):
         # Colocated on a GPU with the trainer: free the weights and KV cache while it trains.
         sleep_mode: bool = False
         seed: int = 0
-        # Any other `vllm.LLM` keyword argument (`tensor_parallel_size` is refused: one worker).
+        # Any other `vllm.LLM` keyword argument (`tensor_parallel_size` is refused: one worker;
+        # the arguments this backend sets itself are refused too).
         engine_args: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __init__(self, config: Config) -> None:
@@ -105,7 +110,11 @@ class VllmEngine(GenerationEngine):
             raise ValueError(
                 "tensor_parallel_size must be 1: weights are loaded into vLLM's one in-process worker"
             )
+        owned = sorted(set(config.engine_args) & _OWN_ARGUMENTS)
+        if owned:
+            raise ValueError(f"engine_args may not set {', '.join(owned)}: the vLLM backend sets them itself")
         arguments: dict[str, Any] = {
+            **config.engine_args,
             "model": config.model,
             "dtype": config.dtype,
             "enforce_eager": config.enforce_eager,
@@ -116,12 +125,12 @@ class VllmEngine(GenerationEngine):
             "seed": config.seed,
             "logprobs_mode": "raw_logprobs",
             "worker_extension_cls": f"{__name__}.RolloutWorkerExtension",
-            **config.engine_args,
         }
         if config.max_model_len > 0:
             arguments["max_model_len"] = config.max_model_len
-        if config.kv_cache_bytes > 0:
-            arguments["kv_cache_memory_bytes"] = config.kv_cache_bytes
+        kv_cache_bytes = config.kv_cache_bytes or (0 if _has_cuda() else _CPU_KV_CACHE_BYTES)
+        if kv_cache_bytes > 0:
+            arguments["kv_cache_memory_bytes"] = kv_cache_bytes
         self.llm = LLM(**arguments)
         self._logits_scale = 1.0
         self._asleep = False

@@ -149,6 +149,7 @@ def test_a_stop_string_ends_the_completion_with_the_token_that_completed_it(poli
     [
         ({"sleep_mode": True}, "sleep_mode needs a CUDA device"),
         ({"engine_args": {"tensor_parallel_size": 2}}, "tensor_parallel_size must be 1"),
+        ({"engine_args": {"logprobs_mode": "processed_logprobs"}}, "may not set logprobs_mode"),
     ],
 )
 def test_settings_the_backend_cannot_honour_are_refused(model_dir, options, message) -> None:
