@@ -46,10 +46,6 @@ impl GenerationEnginePlugin {
         Ok(GenerationEnginePlugin { plugin })
     }
 
-    pub fn spec(&self) -> &str {
-        &self.plugin.spec
-    }
-
     /// Samples every prompt's completions, stopping at `eos_token_ids` unless the request
     /// ignores them; read as the policy's own `generate` would be.
     pub fn generate(
