@@ -420,13 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.engine == "vllm":
         return vllm_worker_kills(args)
     work: Path = args.work
-    if work.exists():
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
-    write_addition_splits(work / "data", train=2000, test=10, seed=0)
-    data = work / "data" / "train.jsonl"
-    model = work / "model"
-    create_tiny_model(model, hidden_size=32, num_layers=2, num_heads=2, max_positions=64, seed=0)
+    model, data = fresh_work(work, hidden_size=32)
 
     campaigns = {}
     for name, cluster in KILL_SETTINGS.items():
@@ -468,17 +462,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def vllm_worker_kills(args: argparse.Namespace) -> int:
-    """The worker kills at the shipped settings with vLLM generation workers; a model whose
-    attention heads vLLM's CPU kernels take (32 dimensions and more)."""
-    work: Path = args.work / "vllm"
+def fresh_work(work: Path, hidden_size: int) -> tuple[Path, Path]:
+    """An empty `work` with the campaign's tiny model and addition data; (model, data)."""
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
     write_addition_splits(work / "data", train=2000, test=10, seed=0)
-    data = work / "data" / "train.jsonl"
     model = work / "model"
-    create_tiny_model(model, hidden_size=64, num_layers=2, num_heads=2, max_positions=64, seed=0)
+    create_tiny_model(model, hidden_size=hidden_size, num_layers=2, num_heads=2, max_positions=64, seed=0)
+    return model, work / "data" / "train.jsonl"
+
+
+def vllm_worker_kills(args: argparse.Namespace) -> int:
+    """The worker kills at the shipped settings with vLLM generation workers; a model whose
+    attention heads vLLM's CPU kernels take (32 dimensions and more)."""
+    work: Path = args.work / "vllm"
+    model, data = fresh_work(work, hidden_size=64)
     kills = worker_kills(
         work,
         model,
