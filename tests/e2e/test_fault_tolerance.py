@@ -88,17 +88,22 @@ def fault_config(
     )
 
 
+def kill_worker_0_and_finish(directory: Path, process: subprocess.Popen[str], log: Path) -> str:
+    """After step 2, kills worker-0 with SIGKILL and holds the run at the gate until the
+    restarted worker-0 rejoins; the run's stderr once it finished."""
+    wait_for(lambda: steps_done(directory) >= 2, process, log, "step 2")
+    os.kill(pids(log, "worker-0")[0], signal.SIGKILL)
+    gate(directory).touch()  # however fast the steps, the run waits for the restarted worker
+    rejoined = "worker-0 joined the run's generation workers"
+    wait_for(lambda: rejoined in log.read_text(), process, log, "a restarted worker-0")
+    gate(directory).unlink()
+    return finish(process, log, STEPS)
+
+
 def test_a_killed_worker_is_restarted_and_no_group_is_lost(tmp_path: Path, artifacts: Path) -> None:
     """At configs/distributed.toml's settings (2 trainer ranks, staleness 1): what users run."""
     process, log = start("launch", fault_config(tmp_path, artifacts, 2, setting="distributed"))
-    wait_for(lambda: steps_done(tmp_path) >= 2, process, log, "step 2")
-    victim = pids(log, "worker-0")[0]
-    os.kill(victim, signal.SIGKILL)
-    gate(tmp_path).touch()  # however fast the steps, the run waits for the restarted worker
-    rejoined = "worker-0 joined the run's generation workers"
-    wait_for(lambda: rejoined in log.read_text(), process, log, "a restarted worker-0")
-    gate(tmp_path).unlink()
-    stderr = finish(process, log, STEPS)
+    stderr = kill_worker_0_and_finish(tmp_path, process, log)
     assert "worker-0 exited with signal: 9" in stderr and "starting it again" in stderr
     lines = metrics(tmp_path)
     assert sum(line["workers_lost"] for line in lines) >= 1

@@ -19,7 +19,6 @@ from tests.e2e.harness import (
     REPO,
     cluster,
     finish,
-    gate,
     gate_config,
     mean,
     metrics,
@@ -30,7 +29,13 @@ from tests.e2e.harness import (
     write_config,
 )
 from tests.e2e.test_chat_binary import shipped
-from tests.e2e.test_fault_tolerance import SETTINGS, STEPS, assert_every_group_trained_once, steps_done
+from tests.e2e.test_fault_tolerance import (
+    SETTINGS,
+    STEPS,
+    assert_every_group_trained_once,
+    kill_worker_0_and_finish,
+    steps_done,
+)
 
 pytestmark = [
     pytest.mark.slow,
@@ -191,13 +196,7 @@ def test_a_killed_vllm_worker_is_restarted_and_no_group_is_lost(
     tmp_path: Path, artifacts: Path, vllm_model: Path
 ) -> None:
     process, log = start("launch", fault_config(tmp_path, artifacts, vllm_model))
-    wait_for(lambda: steps_done(tmp_path) >= 2, process, log, "step 2")
-    os.kill(pids(log, "worker-0")[0], signal.SIGKILL)
-    gate(tmp_path).touch()  # however fast the steps, the run waits for the restarted worker
-    rejoined = "worker-0 joined the run's generation workers"
-    wait_for(lambda: rejoined in log.read_text(), process, log, "a restarted worker-0")
-    gate(tmp_path).unlink()
-    stderr = finish(process, log, STEPS)
+    stderr = kill_worker_0_and_finish(tmp_path, process, log)
     assert "worker-0 exited with signal: 9" in stderr and "starting it again" in stderr
     lines = metrics(tmp_path)
     assert sum(line["workers_lost"] for line in lines) >= 1
